@@ -1,0 +1,197 @@
+"""Find, load and validate a target and its drafter.
+
+Every failure a user can cause (a wrong path, an unknown repo, a drafter for another target, a
+corrupt weight file) raises ``LoadError`` with one line that says what is wrong and what to do.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Optional
+
+import mlx.core as mx
+import mlx.nn as nn
+from mlx.utils import tree_flatten
+
+from .config import ConfigError, DrafterConfig
+from .drafter import Drafter
+from .target import TargetRunner, UnsupportedModel
+
+_REPO_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
+
+
+class LoadError(RuntimeError):
+    """A model that cannot be loaded, with a one-line reason and what to do."""
+
+
+def resolve(path_or_repo: str, what: str = "model") -> Path:
+    """A local directory, or a Hugging Face repo id downloaded (or found in the cache)."""
+    path = Path(path_or_repo).expanduser()
+    if path.exists():
+        if not path.is_dir():
+            raise LoadError(f"{what} path {path} is a file; give the directory that holds config.json")
+        if not (path / "config.json").exists():
+            raise LoadError(f"{what} directory {path} has no config.json; is it a model directory?")
+        return path
+    if not _REPO_ID.match(path_or_repo) or path_or_repo.startswith((".", "/", "~")):
+        raise LoadError(f"{what} path {path_or_repo} does not exist; give a model directory or a repo id like org/name")
+    return _download(path_or_repo, what)
+
+
+def _download(repo_id: str, what: str) -> Path:
+    from huggingface_hub import snapshot_download
+    from huggingface_hub.errors import (
+        GatedRepoError,
+        LocalEntryNotFoundError,
+        RepositoryNotFoundError,
+    )
+
+    try:
+        path = Path(snapshot_download(repo_id, allow_patterns=["*.json", "*.safetensors", "*.jinja", "*.txt", "tokenizer.model", "*.tiktoken"]))
+    except GatedRepoError:
+        raise LoadError(f"{what} repo {repo_id} is gated: accept its license on huggingface.co and run `hf auth login`") from None
+    except RepositoryNotFoundError:
+        raise LoadError(f"{what} repo {repo_id} was not found on Hugging Face (check the name, or log in for a private repo)") from None
+    except LocalEntryNotFoundError:
+        raise LoadError(f"{what} repo {repo_id} is not in the local cache and the Hub cannot be reached; connect once or pass a local directory") from None
+    except Exception as e:  # network errors come in many types; all are the user's to retry
+        raise LoadError(f"could not download {what} repo {repo_id}: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}") from None
+    if not (path / "config.json").exists():
+        raise LoadError(f"{what} repo {repo_id} has no config.json; is it a model repo?")
+    return path
+
+
+def _read_json(path: Path) -> dict:
+    try:
+        return json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError) as e:
+        raise LoadError(f"cannot read {path}: {e}; the file is damaged, re-download it") from None
+
+
+def _load_safetensors(files: list[Path]) -> dict[str, mx.array]:
+    weights = {}
+    for f in files:
+        try:
+            weights.update(mx.load(str(f)))
+        except Exception as e:
+            raise LoadError(f"weight file {f} is corrupt or truncated ({str(e).splitlines()[0]}); re-download it") from None
+    return weights
+
+
+@dataclass
+class Target:
+    runner: TargetRunner
+    tokenizer: Any
+    config: dict
+    name: str
+    path: Path
+
+
+def load_target(path_or_repo: str) -> Target:
+    """An mlx-lm model (bf16 or quantized, MLX or original HF layout) wrapped in a TargetRunner."""
+    from mlx_lm.utils import load_model, load_tokenizer
+
+    path = resolve(path_or_repo, "model")
+    config = _read_json(path / "config.json")
+    if "dflash_config" in config:
+        raise LoadError(f"{path} is a DFlash drafter, not a target model; pass it as --draft-model")
+    files = sorted(path.glob("model*.safetensors"))
+    if not files:
+        raise LoadError(f"model directory {path} has no model*.safetensors weight files")
+    try:
+        model, config = load_model(path)
+    except (ValueError, KeyError) as e:
+        msg = str(e).splitlines()[0] if str(e) else type(e).__name__
+        if "model type" in msg.lower() or "not supported" in msg.lower():
+            raise LoadError(f"model {path}: {msg}") from None
+        raise LoadError(f"model {path} does not match its config.json ({msg}); is the download complete?") from None
+    except RuntimeError as e:
+        raise LoadError(f"model {path}: a weight file is corrupt or truncated ({str(e).splitlines()[0]}); re-download it") from None
+    try:
+        runner = TargetRunner(model)
+    except UnsupportedModel as e:
+        raise LoadError(f"model {path}: {e}") from None
+    text_cfg = config.get("text_config", config)
+    eos = config.get("eos_token_id", text_cfg.get("eos_token_id"))
+    tokenizer = load_tokenizer(path, eos_token_ids=[eos] if isinstance(eos, int) else eos)
+    name = path_or_repo if not Path(path_or_repo).expanduser().exists() else path.name
+    return Target(runner, tokenizer, config, name, path)
+
+
+def load_drafter(path_or_repo: str) -> Drafter:
+    """A DFlash / DFlash 2 drafter checkpoint (dispatched on ``architectures``, not model_type)."""
+    path = resolve(path_or_repo, "draft model")
+    raw = _read_json(path / "config.json")
+    try:
+        config = DrafterConfig.from_dict(raw)
+    except ConfigError as e:
+        raise LoadError(f"draft model {path}: {e}") from None
+    files = sorted(path.glob("*.safetensors"))
+    if not files:
+        raise LoadError(f"draft model directory {path} has no .safetensors weight files")
+    weights = _load_safetensors(files)
+    drafter = Drafter(config)
+    quant = raw.get("quantization")
+    if quant:
+        nn.quantize(
+            drafter, group_size=quant["group_size"], bits=quant["bits"],
+            class_predicate=lambda p, m: f"{p}.scales" in weights,
+        )
+    expected = dict(tree_flatten(drafter.parameters()))
+    missing = sorted(set(expected) - set(weights))
+    unexpected = sorted(set(weights) - set(expected))
+    if missing or unexpected:
+        detail = f"missing {missing[:3]}" if missing else f"unexpected {unexpected[:3]}"
+        raise LoadError(f"draft model {path} does not match its config.json ({detail}); is it a complete {config.architecture} checkpoint?")
+    for name, value in weights.items():
+        if value.shape != expected[name].shape:
+            raise LoadError(
+                f"draft model {path}: {name} has shape {tuple(value.shape)} but the config implies "
+                f"{tuple(expected[name].shape)}; the config.json and weights disagree"
+            )
+    drafter.load_weights(list(weights.items()))
+    drafter.eval()
+    mx.eval(drafter.parameters())
+    drafter.path = path
+    return drafter
+
+
+def validate_pair(runner: TargetRunner, config: DrafterConfig, target_name: Optional[str] = None) -> None:
+    """Refuse a drafter built for another target, before any work is done."""
+    if config.hidden_size != runner.hidden_size:
+        raise LoadError(
+            f"drafter hidden size {config.hidden_size} does not match the target's {runner.hidden_size}: "
+            "this drafter was trained for another target"
+        )
+    if runner.vocab_size and config.vocab_size != runner.vocab_size:
+        raise LoadError(
+            f"drafter vocabulary {config.vocab_size} does not match the target's {runner.vocab_size}: "
+            "this drafter was trained for another target"
+        )
+    bad = [i for i in config.target_layer_ids if not 0 <= i < runner.num_layers]
+    if bad:
+        raise LoadError(
+            f"drafter taps target layers {config.target_layer_ids} but the target has {runner.num_layers} "
+            "layers: this drafter was trained for another target"
+        )
+    if config.num_target_layers is not None and config.num_target_layers != runner.num_layers:
+        raise LoadError(
+            f"drafter expects a target with {config.num_target_layers} layers but this one has "
+            f"{runner.num_layers}: this drafter was trained for another target"
+        )
+    vocab = runner.vocab_size or config.vocab_size
+    if not 0 <= config.mask_token_id < vocab:
+        raise LoadError(f"drafter mask token {config.mask_token_id} is outside the vocabulary (size {vocab})")
+    if target_name and config.target_name:
+        want = config.target_name.rstrip("/").split("/")[-1].lower()
+        have = target_name.rstrip("/").split("/")[-1].lower()
+        if not (have.startswith(want) or want.startswith(have.split("-mlx")[0])):
+            import warnings
+
+            warnings.warn(
+                f"drafter was trained for {config.target_name} but the target is {target_name}; "
+                "acceptance may be low"
+            )

@@ -1,0 +1,68 @@
+"""DFlash 2's candidate selector: a coherent path through each block row's top-k candidates.
+
+Row i's candidates are the top-k tokens of the drafter's logits for that row (the "unary"
+scores). Candidate b after predecessor a scores
+``unary(b) + <predecessor_codebook[a] * hidden_projection(h_i), successor_codebook[b]>``;
+the walk starts at the anchor token (the last token the target emitted).
+"""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import mlx.nn as nn
+
+from . import kernels
+
+
+def top_k_candidates(logits: mx.array, k: int) -> tuple[mx.array, mx.array]:
+    """Top-k token ids and their logits per row, highest logit first.
+
+    Sorting the k survivors fixes the order the greedy walk breaks ties in (the first maximum,
+    so among equal scores the higher unary logit wins); q is compared as a token -> probability
+    map anyway, so the order never changes what is proposed with what probability.
+    """
+    candidates = mx.argpartition(-logits, k - 1, axis=-1)[..., :k]
+    unary = mx.take_along_axis(logits, candidates, axis=-1)
+    order = mx.argsort(-unary, axis=-1)
+    candidates = mx.take_along_axis(candidates, order, axis=-1).astype(mx.int32)
+    unary = mx.take_along_axis(unary, order, axis=-1)
+    return candidates, unary
+
+
+class CandidateSelector(nn.Module):
+    def __init__(self, hidden_size: int, vocab_size: int, rank: int, top_k: int):
+        super().__init__()
+        self.top_k = top_k
+        self.hidden_projection = nn.Linear(hidden_size, rank, bias=False)
+        # Plain arrays, not nn.Embedding: the checkpoint stores them without a `.weight` suffix.
+        self.predecessor_codebook = mx.zeros((vocab_size, rank))
+        self.successor_codebook = mx.zeros((vocab_size, rank))
+
+    def greedy(self, hidden: mx.array, logits: mx.array, anchor: mx.array) -> mx.array:
+        """hidden [N, R, H], logits [N, R, V], anchor [N] -> draft tokens [N, R]."""
+        candidates, unary = top_k_candidates(logits, self.top_k)
+        return kernels.select_greedy(
+            anchor, candidates, unary, self.hidden_projection(hidden),
+            self.predecessor_codebook, self.successor_codebook,
+        )
+
+    def sampled(
+        self,
+        hidden: mx.array,
+        logits: mx.array,
+        anchor: mx.array,
+        temperature: float,
+        uniforms: mx.array,
+    ) -> tuple[mx.array, mx.array, mx.array]:
+        """Sampled path -> (draft tokens [N, R], candidates [N, R, k], q [N, R, k]).
+
+        q is the proposal distribution each token was drawn from: softmax(scores / T) over the
+        row's candidates given the sampled predecessor, with no top-p/top-k/min-p (as the
+        references do); rejection sampling needs exactly that.
+        """
+        candidates, unary = top_k_candidates(logits, self.top_k)
+        tokens, q = kernels.select_sampled(
+            anchor, candidates, unary, self.hidden_projection(hidden),
+            self.predecessor_codebook, self.successor_codebook, uniforms, temperature,
+        )
+        return tokens, candidates, q
