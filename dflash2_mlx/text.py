@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Optional, Sequence
 
 
 class StopStrings:
@@ -43,3 +43,15 @@ class StopStrings:
     def flush(self) -> str:
         text, self.pending = self.pending, ""
         return text
+
+
+def encode_prompt(tokenizer, prompt: str, use_chat_template: bool = True, system: Optional[str] = None) -> list[int]:
+    """Token ids for a user prompt: through the model's chat template when it has one."""
+    if use_chat_template and getattr(tokenizer, "chat_template", None):
+        messages = ([{"role": "system", "content": system}] if system else []) + [
+            {"role": "user", "content": prompt}
+        ]
+        return list(tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True))
+    bos = getattr(tokenizer, "bos_token", None)
+    add_special = bos is None or not prompt.startswith(bos)
+    return list(tokenizer.encode(prompt, add_special_tokens=add_special))

@@ -89,6 +89,8 @@ def drafter_config(
     block_size: int = 16,
     taps: Optional[list[int]] = None,
     sliding_window: Optional[int] = None,
+    mask_token_id: int = MASK_ID,
+    top_k: int = 4,
     **overrides,
 ) -> DrafterConfig:
     text = target_config.get("text_config", target_config)
@@ -109,13 +111,13 @@ def drafter_config(
         "num_target_layers": n,
         "dflash_config": {
             "block_size": block_size,
-            "mask_token_id": MASK_ID,
+            "mask_token_id": mask_token_id,
             "target_layer_ids": taps if taps is not None else [0, n - 2],
         },
         "dtype": "float32",
     }
     if version == 2:
-        cfg["dflash_config"].update(conv_group_size=16, conv_kernel_size=2, selector_rank=8, selector_top_k=4)
+        cfg["dflash_config"].update(conv_group_size=16, conv_kernel_size=2, selector_rank=8, selector_top_k=top_k)
     if sliding_window:
         cfg["layer_types"] = ["sliding_attention"] * layers
         cfg["sliding_window"] = sliding_window

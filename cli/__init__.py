@@ -1,0 +1,1 @@
+"""The dflash2-mlx command line (installed as dflash2_mlx.cli)."""

@@ -1,0 +1,141 @@
+"""dflash2-mlx: the typer app.
+
+Every error a user can cause ends in one line on stderr and a non-zero exit, never a traceback.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from typing import List, Optional
+
+import typer
+
+app = typer.Typer(
+    name="dflash2-mlx",
+    help="Lossless DFlash 2 speculative decoding on MLX.",
+    no_args_is_help=True,
+    add_completion=False,
+    pretty_exceptions_enable=False,
+)
+
+
+@app.callback()
+def _root() -> None:
+    """Lossless DFlash 2 speculative decoding on MLX."""
+
+
+class UserError(Exception):
+    """A problem the user can fix; printed as one line."""
+
+
+def _fail(message: str) -> None:
+    raise UserError(message)
+
+
+@app.command()
+def generate(
+    prompt: str = typer.Option(..., "--prompt", "-p", help="The prompt text."),
+    model: str = typer.Option(..., "--model", "-m", help="Target model: local directory or Hugging Face repo id."),
+    draft_model: Optional[str] = typer.Option(None, "--draft-model", "-d", help="DFlash / DFlash 2 drafter: directory or repo id."),
+    max_tokens: int = typer.Option(256, "--max-tokens", help="Maximum number of tokens to generate."),
+    temp: float = typer.Option(0.0, "--temp", help="Sampling temperature; 0 is greedy."),
+    top_p: float = typer.Option(1.0, "--top-p", help="Nucleus sampling mass (0, 1]."),
+    top_k: int = typer.Option(0, "--top-k", help="Sample among the k most likely tokens; 0 disables."),
+    min_p: float = typer.Option(0.0, "--min-p", help="Drop tokens below min_p times the top probability."),
+    seed: Optional[int] = typer.Option(None, "--seed", help="Random seed (sampling and the selector's draws)."),
+    block_size: Optional[int] = typer.Option(None, "--block-size", help="Tokens per verify block, 2..the drafter's block size."),
+    stop: List[str] = typer.Option([], "--stop", help="Stop string (repeatable); the text stops before it."),
+    no_draft: bool = typer.Option(False, "--no-draft", help="Plain autoregressive decoding with the same target."),
+    ignore_chat_template: bool = typer.Option(False, "--ignore-chat-template", help="Feed the prompt text as is."),
+    system: Optional[str] = typer.Option(None, "--system", help="System prompt (with the chat template)."),
+    as_json: bool = typer.Option(False, "--json", help="Print one JSON object with the text, tokens and statistics."),
+) -> None:
+    """Generate a completion, speculatively (default) or autoregressively (--no-draft)."""
+    from dflash2_mlx.engine import GenerationSettings, generate_autoregressive, generate_speculative
+    from dflash2_mlx.loading import load_drafter, load_target, validate_pair
+    from dflash2_mlx.sampling import SamplingSettings
+    from dflash2_mlx.text import encode_prompt
+
+    if max_tokens < 1:
+        _fail(f"--max-tokens must be at least 1, got {max_tokens}")
+    if not no_draft and draft_model is None:
+        _fail("--draft-model is required for speculative decoding (or pass --no-draft)")
+    try:
+        sampling = SamplingSettings(temperature=temp, top_p=top_p, top_k=top_k, min_p=min_p)
+    except ValueError as e:
+        _fail(str(e))
+    target = load_target(model)
+    drafter = None
+    if not no_draft:
+        drafter = load_drafter(draft_model)
+        validate_pair(target.runner, drafter.config, target.name)
+        if block_size is not None and not 1 < block_size <= drafter.config.block_size:
+            _fail(f"--block-size must be in 2..{drafter.config.block_size} for this drafter, got {block_size}")
+    tokenizer = target.tokenizer
+    ids = encode_prompt(tokenizer, prompt, use_chat_template=not ignore_chat_template, system=system)
+    settings = GenerationSettings(
+        max_tokens=max_tokens, sampling=sampling, seed=seed, block_size=block_size,
+        stop_token_ids=sorted(tokenizer.eos_token_ids), stop_strings=stop,
+    )
+    if no_draft:
+        events = generate_autoregressive(target.runner, ids, settings, tokenizer)
+    else:
+        events = generate_speculative(target.runner, drafter, ids, settings, tokenizer)
+    tokens, pieces, stats = [], [], None
+    for event in events:
+        tokens += event.tokens
+        pieces.append(event.text)
+        if not as_json:
+            sys.stdout.write(event.text)
+            sys.stdout.flush()
+        stats = event.stats or stats
+    text = "".join(pieces)
+    if as_json:
+        out = {"text": text, "tokens": tokens, **stats.as_dict()}
+        if no_draft:
+            out["verify_steps"], out["acceptance_length"] = 0, 1.0
+        print(json.dumps(out))
+        return
+    print()
+    mode = "autoregressive" if no_draft else f"acceptance length {stats.acceptance_length:.2f} over {stats.verify_steps} cycles"
+    typer.echo(
+        f"{stats.prompt_tokens} prompt tokens at {stats.prefill_tps:.1f} tok/s; "
+        f"{stats.generation_tokens} tokens at {stats.decode_tps:.1f} tok/s; {mode}; "
+        f"peak memory {stats.peak_memory_gb:.2f} GB",
+        err=True,
+    )
+
+
+def main() -> None:
+    """Console entry point: runs the app and turns user errors into one line on stderr."""
+    from dflash2_mlx.engine import PromptTooLong
+    from dflash2_mlx.loading import LoadError
+
+    try:
+        app(standalone_mode=False)
+    except typer.Exit as e:
+        sys.exit(e.exit_code)
+    except typer.Abort:
+        print("aborted", file=sys.stderr)
+        sys.exit(130)
+    except (UserError, LoadError, PromptTooLong) as e:
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(2)
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        sys.exit(130)
+    except Exception as e:
+        # Click's usage errors (typer vendors click, so match on the interface, not the class).
+        if not hasattr(e, "format_message") or not hasattr(e, "exit_code"):
+            raise
+        if e.exit_code == 0 or type(e).__name__ == "NoArgsIsHelpError":
+            sys.exit(0)
+        ctx = getattr(e, "ctx", None)
+        command = f"dflash2-mlx {ctx.info_name} --help" if ctx is not None and ctx.parent else "dflash2-mlx --help"
+        print(f"error: {e.format_message()} (see `{command}`)", file=sys.stderr)
+        sys.exit(2)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,40 @@
+import sys
+from pathlib import Path
+
+import mlx.core as mx
+import pytest
+
+sys.path.insert(0, str(Path(__file__).parent))
+
+import tiny  # noqa: E402
+
+
+@pytest.fixture(scope="session")
+def hybrid_target():
+    """A tiny Qwen3.5-architecture hybrid (3 Gated DeltaNet layers, 1 gated attention layer)."""
+    cfg = tiny.hybrid_config()
+    return cfg, tiny.build_target(cfg, seed=0, scale=3.0)
+
+
+@pytest.fixture(scope="session")
+def plain_target():
+    """A tiny plain-attention Qwen3."""
+    cfg = tiny.plain_config()
+    return cfg, tiny.build_target(cfg, seed=0, scale=3.0)
+
+
+@pytest.fixture(scope="session")
+def tiny_checkpoints(tmp_path_factory, hybrid_target):
+    """A hybrid target and a DFlash 2 drafter written to disk in the real layouts."""
+    root = tmp_path_factory.mktemp("ckpt")
+    cfg, model = hybrid_target
+    target = tiny.save_target(model, cfg, root / "target")
+    drafter = tiny.build_drafter(tiny.drafter_config(cfg, version=2, block_size=8))
+    draft = tiny.save_drafter(drafter, root / "drafter")
+    return target, draft
+
+
+@pytest.fixture(autouse=True)
+def _reset_random():
+    mx.random.seed(0)
+    yield

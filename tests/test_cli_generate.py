@@ -1,0 +1,70 @@
+"""`dflash2-mlx generate`, run as a user runs it: a real process, checkpoints on disk."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+
+def run(*args, timeout=120):
+    return subprocess.run(
+        [sys.executable, "-m", "dflash2_mlx", *args], capture_output=True, text=True, timeout=timeout
+    )
+
+
+def test_generate_json_speculative_equals_no_draft(tiny_checkpoints):
+    target, drafter = tiny_checkpoints
+    common = ["generate", "--model", str(target), "--prompt", "def f(x):", "--max-tokens", "24", "--json"]
+    spec = run(*common, "--draft-model", str(drafter))
+    plain = run(*common, "--no-draft")
+    assert spec.returncode == 0, spec.stderr
+    assert plain.returncode == 0, plain.stderr
+    s, p = json.loads(spec.stdout), json.loads(plain.stdout)  # exactly one JSON object on stdout
+    assert s["tokens"] == p["tokens"] and s["text"] == p["text"]
+    for key in ("text", "tokens", "prompt_tokens", "generation_tokens", "verify_steps",
+                "acceptance_length", "decode_tps", "prefill_tps", "peak_memory_gb"):
+        assert key in s
+    assert s["generation_tokens"] == len(s["tokens"]) <= 24
+    assert s["verify_steps"] > 0
+    assert s["acceptance_length"] == (len(s["tokens"]) - 1) / s["verify_steps"]
+    assert p["verify_steps"] == 0 and p["acceptance_length"] == 1.0
+
+
+def test_generate_streams_text_and_a_summary_line(tiny_checkpoints):
+    target, drafter = tiny_checkpoints
+    out = run("generate", "--model", str(target), "--draft-model", str(drafter), "--prompt", "hello",
+              "--max-tokens", "8", "--ignore-chat-template", "--block-size", "4")
+    assert out.returncode == 0, out.stderr
+    assert "tok/s" in out.stderr and "acceptance length" in out.stderr
+
+
+def _one_line_error(result):
+    assert result.returncode != 0
+    lines = [l for l in result.stderr.strip().splitlines() if l.strip()]
+    assert len(lines) == 1 and lines[0].startswith("error:"), result.stderr
+    assert "Traceback" not in result.stderr
+    return lines[0]
+
+
+def test_bad_input_ends_in_one_line(tiny_checkpoints, tmp_path):
+    target, drafter = tiny_checkpoints
+    base = ["generate", "--prompt", "x"]
+    assert "does not exist" in _one_line_error(run(*base, "--model", str(tmp_path / "nope"), "--no-draft"))
+    assert "--draft-model" in _one_line_error(run(*base, "--model", str(target)))
+    assert "drafter" in _one_line_error(run(*base, "--model", str(drafter), "--no-draft"))
+    assert "block-size" in _one_line_error(run(*base, "--model", str(target), "--draft-model", str(drafter), "--block-size", "9"))
+    assert "top_p" in _one_line_error(run(*base, "--model", str(target), "--no-draft", "--top-p", "0"))
+    assert "max-tokens" in _one_line_error(run(*base, "--model", str(target), "--no-draft", "--max-tokens", "0"))
+    assert "No such option" in _one_line_error(run(*base, "--bogus"))
+    # a corrupt weight file
+    broken = tmp_path / "broken"
+    broken.mkdir()
+    for f in drafter.iterdir():
+        (broken / f.name).write_bytes(f.read_bytes())
+    weights = broken / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[: weights.stat().st_size // 2])
+    assert "corrupt" in _one_line_error(run(*base, "--model", str(target), "--draft-model", str(broken)))
+    # a prompt longer than the context (the tiny target's context is 4096 tokens)
+    assert "context" in _one_line_error(run("generate", "--model", str(target), "--no-draft", "--ignore-chat-template",
+                                            "--prompt", "ab" * 2100))

@@ -1,0 +1,147 @@
+"""Speculative greedy decoding is token-for-token plain greedy decoding (float32, CPU).
+
+The drafters here are real DFlash / DFlash 2 modules; ``OracleDrafter`` replaces their proposals
+by the target's own greedy continuation corrupted at random positions, so every accepted count
+0..B-1 and the full-block bonus happen for every block size, and the tests assert they did.
+"""
+
+from __future__ import annotations
+
+import random
+from collections import defaultdict
+
+import mlx.core as mx
+import pytest
+from mlx.utils import tree_flatten
+
+import tiny
+from dflash2_mlx.engine import GenerationSettings, generate_autoregressive, generate_speculative
+from dflash2_mlx.target import TargetRunner
+
+MAX_TOKENS = 40
+
+
+def _tokens(events):
+    return [t for e in events for t in e.tokens]
+
+
+def _assert_identical_or_near_tie(runner, prompt, spec, plain, settings):
+    """Identity, or a divergence proven to be a float near-tie of the target's top two logits."""
+    if spec == plain:
+        return
+    i = next((j for j, (a, b) in enumerate(zip(spec, plain)) if a != b), min(len(spec), len(plain)))
+    assert i < len(plain), f"speculative output is longer than plain output: {spec} vs {plain}"
+    cache = runner.make_cache()
+    logits, _ = runner(mx.array([prompt + plain[:i]]), cache)
+    top2 = mx.sort(logits[0, -1])[-2:]
+    gap = float(top2[1] - top2[0])
+    assert gap < 1e-4, f"divergence at token {i}: spec {spec[i:i+3]} vs plain {plain[i:i+3]}, top-2 gap {gap:.3g} is no near-tie"
+
+
+def _case(rng: random.Random, targets, record_counts):
+    kind = rng.choice(["hybrid", "plain"])
+    cfg, model = targets[kind]
+    runner = TargetRunner(model)
+    version = rng.choice([1, 2])
+    block = rng.randint(2, 16)
+    window = rng.choice([None, None, 5, 12])
+    prompt = [rng.randrange(0, tiny.VOCAB - 4) for _ in range(rng.randint(1, 24))]
+    settings = GenerationSettings(max_tokens=MAX_TOKENS, block_size=block)
+    plain = _tokens(generate_autoregressive(runner, prompt, settings))
+    dcfg = tiny.drafter_config(cfg, version=version, block_size=16, sliding_window=window)
+    base = tiny.build_drafter(dcfg, seed=rng.randrange(1000))
+    if rng.random() < 0.8:
+        continuation = prompt + plain
+        corrupt = {p for p in range(len(prompt) + 1, len(continuation)) if rng.random() < rng.choice([0.05, 0.15, 0.4])}
+        drafter = tiny.OracleDrafter(dcfg, continuation, corrupt)
+        drafter.load_weights(tree_flatten(base.parameters()))
+    else:
+        drafter = base
+    events = list(generate_speculative(runner, drafter, prompt, settings))
+    spec = _tokens(events)
+    _assert_identical_or_near_tie(runner, prompt, spec, plain, settings)
+    for e in events:
+        if e.accepted is not None:
+            record_counts[block].add(e.accepted)
+    stats = events[-1].stats
+    assert stats.generation_tokens == len(spec) <= MAX_TOKENS
+    assert stats.cycle_tokens == len(spec) - 1
+    assert stats.acceptance_length == pytest.approx((len(spec) - 1) / stats.verify_steps)
+
+
+def test_speculative_greedy_equals_plain_greedy_on_220_random_cases(hybrid_target, plain_target):
+    targets = {"hybrid": hybrid_target, "plain": plain_target}
+    rng = random.Random(20261202)
+    seen = defaultdict(set)
+    for _ in range(220):
+        _case(rng, targets, seen)
+    # every block size 2..16 saw 0 accepted and the full block (accepted B-1) at least once
+    for block in range(2, 17):
+        assert 0 in seen[block] and block - 1 in seen[block], f"block {block} only saw {sorted(seen[block])}"
+    assert len(set().union(*seen.values())) == 16  # 0..15 all occurred
+
+
+@pytest.mark.parametrize("block", range(2, 17))
+def test_every_accepted_count_occurs_for_every_block_size(hybrid_target, block):
+    """For each B, drive accepted counts 0..B-1 on purpose with corruption offsets."""
+    cfg, model = hybrid_target
+    runner = TargetRunner(model)
+    prompt = [7, 3, 200, 41]
+    n_tokens = block * (block + 1) + 4
+    settings = GenerationSettings(max_tokens=n_tokens, block_size=block)
+    plain = _tokens(generate_autoregressive(runner, prompt, settings))
+    continuation = prompt + plain
+    # cycle c starts at committed position s; corrupting s+1+a makes exactly a accepted
+    dcfg = tiny.drafter_config(cfg, version=2, block_size=16)
+    corrupt, pos, wanted = set(), len(prompt), list(range(block))
+    for a in wanted:
+        if a < block - 1:
+            corrupt.add(pos + 1 + a)
+        pos += a + 1
+    drafter = tiny.OracleDrafter(dcfg, continuation, corrupt)
+    drafter.load_weights(tree_flatten(tiny.build_drafter(dcfg).parameters()))
+    events = list(generate_speculative(runner, drafter, prompt, settings))
+    assert _tokens(events) == plain
+    accepted = [e.accepted for e in events if e.accepted is not None]
+    assert accepted[: len(wanted)] == wanted
+
+
+def test_logits_processors_are_applied_with_each_rows_history(hybrid_target):
+    """Repetition penalty and logit bias see committed + d1..di on verify row i, as plain decoding does."""
+    from mlx_lm.sample_utils import make_logits_processors
+
+    cfg, model = hybrid_target
+    runner = TargetRunner(model)
+    prompt = [5, 9, 5, 9, 12]
+    procs = make_logits_processors(logit_bias={17: 2.0, 40: -5.0}, repetition_penalty=1.3, repetition_context_size=8)
+    settings = GenerationSettings(max_tokens=30, block_size=6, logits_processors=procs)
+    plain = _tokens(generate_autoregressive(runner, prompt, settings))
+    unprocessed = _tokens(generate_autoregressive(runner, prompt, GenerationSettings(max_tokens=30)))
+    assert plain != unprocessed  # the processors really change the output
+    dcfg = tiny.drafter_config(cfg, version=2)
+    for corrupt in (set(), {8, 13, 20}):
+        drafter = tiny.OracleDrafter(dcfg, prompt + plain, corrupt)
+        drafter.load_weights(tree_flatten(tiny.build_drafter(dcfg).parameters()))
+        assert _tokens(generate_speculative(runner, drafter, prompt, settings)) == plain
+
+
+def test_stop_tokens_and_max_tokens_clip_a_cycle(hybrid_target):
+    cfg, model = hybrid_target
+    runner = TargetRunner(model)
+    prompt = [1, 2, 3]
+    plain = _tokens(generate_autoregressive(runner, prompt, GenerationSettings(max_tokens=30)))
+    stop = plain[9]
+    first = plain.index(stop)
+    dcfg = tiny.drafter_config(cfg, version=2)
+    drafter = tiny.OracleDrafter(dcfg, prompt + plain, set())
+    drafter.load_weights(tree_flatten(tiny.build_drafter(dcfg).parameters()))
+    events = list(generate_speculative(runner, drafter, prompt, GenerationSettings(max_tokens=30, block_size=8, stop_token_ids=[stop])))
+    assert _tokens(events) == plain[: first + 1]  # the stop token is included, nothing after it
+    assert events[-1].finish_reason == "stop"
+    drafter = tiny.OracleDrafter(dcfg, prompt + plain, set())
+    drafter.load_weights(tree_flatten(tiny.build_drafter(dcfg).parameters()))
+    events = list(generate_speculative(runner, drafter, prompt, GenerationSettings(max_tokens=11, block_size=8)))
+    assert _tokens(events) == plain[:11] and events[-1].finish_reason == "length"
+    stats = events[-1].stats
+    # 1 prefill token + cycles of 8, 2 (clipped to max tokens: the last block is drafted short)
+    assert stats.cycle_tokens == 10 and stats.verify_steps == 2 and stats.acceptance_length == 5.0

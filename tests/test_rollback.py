@@ -1,0 +1,112 @@
+"""After a verify pass and rollback, every cache equals the one plain decoding would have built."""
+
+from __future__ import annotations
+
+import random
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+import tiny
+from dflash2_mlx.drafter import ContextCache
+from dflash2_mlx.target import TargetRunner
+
+BLOCK = 8
+
+
+def _feed_one_by_one(runner, tokens):
+    cache = runner.make_cache()
+    for t in tokens:
+        runner(mx.array([[t]]), cache)
+    return cache
+
+
+def _assert_caches_equal(got, want, atol=1e-5):
+    assert got.offset == want.offset
+    for i, (kind, a, b) in enumerate(zip(got.kinds, got.layers, want.layers)):
+        if kind == "attention":
+            assert a.offset == b.offset, f"layer {i}: KV offset {a.offset} != {b.offset}"
+            for x, y in ((a.keys, b.keys), (a.values, b.values)):
+                np.testing.assert_allclose(np.array(x[..., : a.offset, :]), np.array(y[..., : b.offset, :]), atol=atol, err_msg=f"layer {i} KV")
+        else:
+            np.testing.assert_allclose(np.array(a[0]), np.array(b[0]), atol=atol, err_msg=f"layer {i} conv window")
+            np.testing.assert_allclose(np.array(a[1]), np.array(b[1]), atol=atol, err_msg=f"layer {i} recurrent state")
+
+
+@pytest.mark.parametrize("kind", ["hybrid", "plain"])
+@pytest.mark.parametrize("accepted", range(BLOCK))
+def test_rollback_after_a_verify_pass_matches_plain_feeding(kind, accepted, hybrid_target, plain_target):
+    cfg, model = hybrid_target if kind == "hybrid" else plain_target
+    runner = TargetRunner(model)
+    rng = random.Random(accepted)
+    prompt = [rng.randrange(256) for _ in range(11)]
+    block = [rng.randrange(256) for _ in range(BLOCK)]  # anchor + 7 drafts
+    cache = runner.make_cache()
+    runner(mx.array([prompt]), cache)
+    recorded = []
+    runner(mx.array([block]), cache, record=recorded)
+    assert len(recorded) == runner.kinds.count("gdn")
+    cache.rollback(recorded, fed=BLOCK, keep=accepted + 1)
+    committed = prompt + block[: accepted + 1]
+    reference = _feed_one_by_one(runner, committed)
+    _assert_caches_equal(cache, reference)
+    # and the future is the same: the next token's logits agree
+    nxt = mx.array([[17]])
+    a, _ = runner(nxt, cache)
+    b, _ = runner(nxt, reference)
+    np.testing.assert_allclose(np.array(a), np.array(b), atol=1e-4)
+
+
+def test_snapshot_restores_the_whole_cache(hybrid_target):
+    cfg, model = hybrid_target
+    runner = TargetRunner(model)
+    cache = runner.make_cache()
+    runner(mx.array([[1, 2, 3, 4, 5]]), cache)
+    snap = cache.snapshot()
+    before, _ = runner(mx.array([[9]]), cache)
+    runner(mx.array([[10, 11, 12]]), cache)  # move on: later passes must not touch the snapshot
+    cache.restore(snap)
+    after, _ = runner(mx.array([[9]]), cache)
+    assert mx.array_equal(before, after)
+    assert snap.nbytes > 0
+
+
+@pytest.mark.parametrize("window", [None, 6])
+def test_drafter_context_cache_is_incremental(hybrid_target, window):
+    """Feeding context rows cycle by cycle gives the K/V (and block output) of feeding them at once."""
+    cfg, _ = hybrid_target
+    dcfg = tiny.drafter_config(cfg, version=2, sliding_window=window)
+    drafter = tiny.build_drafter(dcfg)
+    taps = len(dcfg.target_layer_ids)
+    features = mx.random.normal((1, 14, taps * dcfg.hidden_size))
+    block = mx.random.normal((1, 8, dcfg.hidden_size))
+    whole = drafter.make_cache()
+    out_whole = drafter(block, features, whole)
+    parts = drafter.make_cache()
+    for lo, hi in ((0, 5), (5, 6), (6, 14)):
+        out_parts = drafter(block, features[:, lo:hi], parts)
+    assert parts.offset == whole.offset == 14
+    for layer in range(dcfg.num_hidden_layers):
+        kept = parts.keys[layer].shape[2]
+        assert kept == (14 if window is None else window - 1)  # the block's own K/V never enter
+        np.testing.assert_allclose(np.array(parts.keys[layer]), np.array(whole.keys[layer]), atol=1e-5)
+        np.testing.assert_allclose(np.array(parts.values[layer]), np.array(whole.values[layer]), atol=1e-5)
+    np.testing.assert_allclose(np.array(out_parts), np.array(out_whole), atol=1e-5)
+
+
+def test_walked_gated_deltanet_equals_mlx_lm_bit_for_bit(hybrid_target):
+    """The runner re-walks mlx-lm's GatedDeltaNet: outputs and states must be identical."""
+    from mlx_lm.models.cache import make_prompt_cache
+
+    cfg, model = hybrid_target
+    runner = TargetRunner(model)
+    tokens = mx.array([[3, 1, 4, 1, 5, 9, 2, 6, 5, 3]])
+    ours, theirs = runner.make_cache(), make_prompt_cache(model)
+    for chunk in (tokens[:, :6], tokens[:, 6:7], tokens[:, 7:]):
+        a, _ = runner(chunk, ours)
+        b = model(chunk, cache=theirs)
+        assert mx.array_equal(a, b)
+    for kind, x, y in zip(runner.kinds, ours.layers, theirs):
+        if kind == "gdn":
+            assert mx.array_equal(x[0], y[0]) and mx.array_equal(x[1], y[1])

@@ -1,0 +1,133 @@
+"""Speculative sampling draws exactly from the target's distribution.
+
+Statistical tests use a G-test at a stated false-alarm rate (ALPHA) with fixed seeds, so each run
+is deterministic: a correct sampler passes with probability 1 - ALPHA for a given seed set, and
+the seeds below are that one draw.
+"""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from mlx.utils import tree_flatten
+
+import tiny
+from dflash2_mlx.engine import GenerationSettings, generate_speculative
+from dflash2_mlx.sampling import SamplingSettings, probabilities, rejection_step
+from dflash2_mlx.target import TargetRunner
+
+ALPHA = 1e-3
+
+
+def g_test_pvalue(counts: np.ndarray, expected_p: np.ndarray) -> float:
+    """G-test of counts against expected probabilities, pooling cells expected below 5."""
+    from scipy.stats import chi2
+
+    n = counts.sum()
+    expected = expected_p * n
+    small = expected < 5
+    if small.any():
+        counts = np.append(counts[~small], counts[small].sum())
+        expected = np.append(expected[~small], expected[small].sum())
+    nz = counts > 0
+    g = 2.0 * np.sum(counts[nz] * np.log(counts[nz] / expected[nz]))
+    # a pooled bucket with zero expected mass would have g = inf: impossible outcomes seen
+    return float(chi2.sf(g, df=max(len(counts) - 1, 1)))
+
+
+def _first_emitted(draft, p, q, candidates=None):
+    accepted, nxt = rejection_step(draft, p, q, candidates)
+    a = int(accepted.item())
+    emitted = draft.tolist()[:a] + [int(nxt[a].item())]
+    return emitted
+
+
+@pytest.mark.parametrize("sparse", [False, True])
+def test_rejection_step_output_follows_p(sparse):
+    """Whatever q proposes (dense, or sparse over k candidates), emitted tokens follow p."""
+    rng = np.random.default_rng(0)
+    vocab, rows, n = 6, 2, 6000
+    p = mx.array(rng.dirichlet(np.ones(vocab), size=rows + 1).astype(np.float32))
+    if sparse:
+        candidates = mx.array(np.stack([rng.permutation(vocab)[:3] for _ in range(rows)]).astype(np.int32))
+        q = mx.array(rng.dirichlet(np.ones(3), size=rows).astype(np.float32))
+    else:
+        candidates = None
+        q = mx.array(rng.dirichlet(np.ones(vocab), size=rows).astype(np.float32))
+    mx.random.seed(1)
+    joint = np.zeros((vocab, vocab))
+    accepted_counts = [0, 0, 0]
+    for _ in range(n):
+        if sparse:
+            pick = mx.random.categorical(mx.log(q))
+            draft = mx.take_along_axis(candidates, pick[:, None], axis=-1)[:, 0]
+        else:
+            draft = mx.random.categorical(mx.log(q))
+        emitted = _first_emitted(draft, p, q, candidates)
+        accepted_counts[len(emitted) - 1] += 1
+        if len(emitted) < 2:
+            # rejected at row 0: the next cycle would start at row 1, whose p is fixed here
+            emitted.append(int(mx.random.categorical(mx.log(p[1])).item()))
+        joint[emitted[0], emitted[1]] += 1
+    # p is fixed per row here, so the first two emitted tokens are independent draws from p0, p1
+    p_np = np.array(p)
+    expected = np.outer(p_np[0], p_np[1]).ravel()
+    assert min(accepted_counts) > 0  # rejection at row 0, at row 1, and the full block all happened
+    assert g_test_pvalue(joint.ravel(), expected) > ALPHA
+
+
+def test_rejection_step_detects_a_wrong_sampler():
+    """The statistical test has power: drafting from q and accepting everything is caught."""
+    rng = np.random.default_rng(0)
+    p = rng.dirichlet(np.ones(6))
+    q = rng.dirichlet(np.ones(6))
+    draws = np.random.default_rng(1).choice(6, size=4000, p=q)
+    assert g_test_pvalue(np.bincount(draws, minlength=6).astype(float), p) < ALPHA
+
+
+def _exact_joint(runner, prompt, n_tokens, sampling, vocab):
+    """P(t1..tn | prompt) for every sequence, from the target's processed distributions."""
+    table = np.zeros((vocab,) * n_tokens)
+
+    def walk(prefix, mass):
+        depth = len(prefix) - len(prompt)
+        logits, _ = runner(mx.array([prefix]), runner.make_cache())
+        p = np.array(probabilities(logits[0, -1:], sampling))[0]
+        for t in range(vocab):
+            if p[t] == 0:
+                continue
+            if depth + 1 == n_tokens:
+                table[tuple(prefix[len(prompt):] + [t])] = mass * p[t]
+            else:
+                walk(prefix + [t], mass * p[t])
+
+    walk(list(prompt), 1.0)
+    return table
+
+
+@pytest.mark.parametrize("version", [1, 2])
+def test_speculative_sampling_matches_the_targets_joint_distribution(version):
+    """The first three generated tokens (one from prefill, two from the first cycle's draft,
+    accept/reject and bonus) follow the target's exact joint distribution."""
+    vocab = 6
+    cfg = tiny.hybrid_config(vocab=vocab, hidden=32)
+    model = tiny.build_target(cfg, seed=3, scale=1.5)
+    runner = TargetRunner(model)
+    sampling = SamplingSettings(temperature=0.9, top_p=0.95)
+    prompt = [1, 4, 2]
+    exact = _exact_joint(runner, prompt, 3, sampling, vocab).ravel()
+    assert exact.sum() == pytest.approx(1.0, abs=1e-4)
+    dcfg = tiny.drafter_config(cfg, version=version, block_size=4, mask_token_id=vocab - 1, top_k=3)
+    drafter = tiny.build_drafter(dcfg, seed=5)
+    counts = np.zeros_like(exact)
+    accepted_any = 0
+    n = 2500
+    for seed in range(n):
+        settings = GenerationSettings(max_tokens=3, sampling=sampling, seed=seed, block_size=3)
+        events = list(generate_speculative(runner, drafter, prompt, settings))
+        toks = [t for e in events for t in e.tokens]
+        counts[np.ravel_multi_index(toks, (vocab,) * 3)] += 1
+        accepted_any += any((e.accepted or 0) > 0 for e in events)
+    assert 0.1 * n < accepted_any < n  # both acceptance and rejection paths were exercised
+    assert g_test_pvalue(counts, exact) > ALPHA
