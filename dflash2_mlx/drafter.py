@@ -86,7 +86,9 @@ class DrafterAttention(nn.Module):
         keys = rope(keys.transpose(0, 2, 1, 3), offset=offset)
         return keys, values.transpose(0, 2, 1, 3)
 
-    def __call__(self, x, context, rope, cache: ContextCache, block_pos: int) -> mx.array:
+    def __call__(self, x, context, rope, cache: Optional[ContextCache], block_pos, anchors=None) -> mx.array:
+        if anchors is not None:
+            return self._train(x, context, rope, anchors)
         # x: [1, L, H] block rows at positions block_pos..; context: [1, n, H] new context rows
         # at positions block_pos-n..block_pos-1.
         b, length, _ = x.shape
@@ -108,6 +110,40 @@ class DrafterAttention(nn.Module):
         out = mx.fast.scaled_dot_product_attention(queries, keys, values, scale=self.scale, mask=mask)
         return self.o_proj(out.transpose(0, 2, 1, 3).reshape(b, length, -1))
 
+    def _train(self, x: mx.array, context: mx.array, rope, anchors: mx.array) -> mx.array:
+        # Training: N blocks of one sequence at once. x: [N, L, H], block n at positions
+        # anchors[n]..; context: [1, S, H] for positions 0..S-1, of which block n sees p < anchors[n].
+        n, length, _ = x.shape
+        queries = self.q_norm(self.q_proj(x).reshape(n, length, self.n_heads, -1))
+        queries = rope(queries.transpose(0, 2, 1, 3), offset=anchors)
+        ctx_k, ctx_v = self._keys_values(context, rope, 0)
+        blk_k, blk_v = self._keys_values(x, rope, anchors)
+        ctx_len = ctx_k.shape[2]
+        keys = mx.concatenate([mx.broadcast_to(ctx_k, (n, *ctx_k.shape[1:])), blk_k], axis=2)
+        values = mx.concatenate([mx.broadcast_to(ctx_v, (n, *ctx_v.shape[1:])), blk_v], axis=2)
+        query_pos = anchors[:, None, None] + mx.arange(length)[None, :, None]  # [N, L, 1]
+        ctx_pos = mx.arange(ctx_len)[None, None, :]
+        see_ctx = ctx_pos < anchors[:, None, None]
+        if self.window is not None:
+            see_ctx = see_ctx & (query_pos - ctx_pos < self.window)
+        see_ctx = mx.broadcast_to(see_ctx, (n, length, ctx_len))
+        see_blk = self._block_visibility(length)
+        see_blk = mx.broadcast_to(see_blk[None], (n, length, length))
+        mask = mx.concatenate([see_ctx, see_blk], axis=-1)[:, None]
+        out = mx.fast.scaled_dot_product_attention(queries, keys, values, scale=self.scale, mask=mask)
+        return self.o_proj(out.transpose(0, 2, 1, 3).reshape(n, length, -1))
+
+    def _block_visibility(self, length: int) -> mx.array:
+        """[L, L]: which block rows a block row sees (the reference's rule: the window applies
+        inside the block too, both ways when attention is not causal)."""
+        query, key = mx.arange(length)[:, None], mx.arange(length)[None]
+        visible = mx.ones((length, length), dtype=mx.bool_)
+        if self.causal:
+            visible = visible & (key <= query)
+        if self.window is not None:
+            visible = visible & (query - key < self.window) & (key - query < self.window)
+        return visible
+
     def _mask(self, length: int, ctx_len: int) -> Optional[mx.array]:
         # Context rows are the ctx_len positions right before the block, so index distance in
         # [context ; block] is position distance.
@@ -115,13 +151,11 @@ class DrafterAttention(nn.Module):
         if not self.causal and not needs_window:
             return None
         query = ctx_len + mx.arange(length)[:, None]
-        key = mx.arange(ctx_len + length)[None]
-        visible = mx.ones((length, ctx_len + length), dtype=mx.bool_)
-        if self.causal:
-            visible = visible & (key <= query)
+        ctx = mx.arange(ctx_len)[None]
+        see_ctx = mx.ones((length, ctx_len), dtype=mx.bool_)
         if self.window is not None:
-            visible = visible & (query - key < self.window)
-        return visible
+            see_ctx = query - ctx < self.window
+        return mx.concatenate([see_ctx, self._block_visibility(length)], axis=-1)
 
 
 class DrafterMLP(nn.Module):
@@ -171,13 +205,13 @@ class DrafterLayer(nn.Module):
             self.mlp_conv = TwoTapConv(config.hidden_size, taps, group)
         self.has_convs = config.is_dflash2
 
-    def __call__(self, x, context, rope, cache, block_pos):
+    def __call__(self, x, context, rope, cache, block_pos, anchors=None):
         h = self.input_layernorm(x)
         if self.has_convs:
             h, dynamic = self.attention_conv.prepare(h)
-            h = self.attention_conv.finish(self.self_attn(h, context, rope, cache, block_pos), dynamic)
+            h = self.attention_conv.finish(self.self_attn(h, context, rope, cache, block_pos, anchors), dynamic)
         else:
-            h = self.self_attn(h, context, rope, cache, block_pos)
+            h = self.self_attn(h, context, rope, cache, block_pos, anchors)
         x = x + h
         h = self.post_attention_layernorm(x)
         if self.has_convs:
@@ -234,6 +268,20 @@ class Drafter(nn.Module):
         for layer in self.layers:
             h = layer(h, context, self._rope, cache, block_pos)
         cache.offset = block_pos
+        return self.norm(h)
+
+    def train_forward(self, block_embeds: mx.array, features: mx.array, anchors: mx.array) -> mx.array:
+        """Final-normed hidden rows of N blocks drafted from one sequence, in one pass (training).
+
+        block_embeds: [N, B, H] embeddings of [anchor, MASK, ...] per block; features: [1, S, T*H]
+        tapped target states of the whole sequence; anchors: [N] anchor positions. Block n sees
+        the context strictly before anchors[n] (within the window) and its own rows, never
+        another block: exactly what the same block sees at inference.
+        """
+        context = self.hidden_norm(self.fc(features))
+        h = block_embeds
+        for layer in self.layers:
+            h = layer(h, context, self._rope, None, None, anchors)
         return self.norm(h)
 
     def logits(self, hidden: mx.array, lm_head: Callable[[mx.array], mx.array]) -> mx.array:

@@ -110,3 +110,20 @@ def test_walked_gated_deltanet_equals_mlx_lm_bit_for_bit(hybrid_target):
     for kind, x, y in zip(runner.kinds, ours.layers, theirs):
         if kind == "gdn":
             assert mx.array_equal(x[0], y[0]) and mx.array_equal(x[1], y[1])
+
+
+@pytest.mark.parametrize("window,version", [(None, 2), (6, 2), (None, 1)])
+def test_training_forward_sees_what_inference_sees(hybrid_target, window, version):
+    """Many blocks in one training pass give each block the hidden rows inference would."""
+    cfg, _ = hybrid_target
+    dcfg = tiny.drafter_config(cfg, version=version, sliding_window=window, block_size=8)
+    drafter = tiny.build_drafter(dcfg)
+    taps = len(dcfg.target_layer_ids)
+    features = mx.random.normal((1, 20, taps * dcfg.hidden_size))
+    anchors = [0, 3, 11, 19]
+    blocks = mx.random.normal((len(anchors), 8, dcfg.hidden_size))
+    trained = drafter.train_forward(blocks, features, mx.array(anchors))
+    for i, a in enumerate(anchors):
+        cache = drafter.make_cache()
+        inferred = drafter(blocks[i : i + 1], features[:, :a], cache)
+        np.testing.assert_allclose(np.array(trained[i]), np.array(inferred[0]), atol=1e-5)
