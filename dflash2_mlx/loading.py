@@ -16,6 +16,7 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_flatten
 
+from .config import ARCHITECTURES as DRAFTER_ARCHITECTURES
 from .config import ConfigError, DrafterConfig
 from .drafter import Drafter
 from .target import TargetRunner, UnsupportedModel
@@ -34,7 +35,7 @@ def resolve(path_or_repo: str, what: str = "model") -> Path:
         if not path.is_dir():
             raise LoadError(f"{what} path {path} is a file; give the directory that holds config.json")
         if not (path / "config.json").exists():
-            raise LoadError(f"{what} directory {path} has no config.json; is it a model directory?")
+            raise LoadError(f"{what} directory {path} has no config.json; give the model's own directory (the one that holds config.json and the weights)")
         return path
     if not _REPO_ID.match(path_or_repo) or path_or_repo.startswith((".", "/", "~")):
         raise LoadError(f"{what} path {path_or_repo} does not exist; give a model directory or a repo id like org/name")
@@ -56,12 +57,22 @@ def _download(repo_id: str, what: str) -> Path:
     except RepositoryNotFoundError:
         raise LoadError(f"{what} repo {repo_id} was not found on Hugging Face (check the name, or log in for a private repo)") from None
     except LocalEntryNotFoundError:
+        from huggingface_hub import constants
+
+        if constants.HF_HUB_OFFLINE:
+            raise LoadError(f"{what} repo {repo_id} is not in the local cache and offline mode is on (HF_HUB_OFFLINE); unset HF_HUB_OFFLINE to download it, or pass a local directory") from None
         raise LoadError(f"{what} repo {repo_id} is not in the local cache and the Hub cannot be reached; connect once or pass a local directory") from None
     except Exception as e:  # network errors come in many types; all are the user's to retry
         raise LoadError(f"could not download {what} repo {repo_id}: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}") from None
     if not (path / "config.json").exists():
         raise LoadError(f"{what} repo {repo_id} has no config.json; is it a model repo?")
     return path
+
+
+def _one_line(text: str, limit: int = 240) -> str:
+    """A multi-line library message (e.g. mlx-lm's list of missing tensors) as one short line."""
+    text = " ".join(text.split())
+    return text if len(text) <= limit else text[: limit - 3].rstrip() + "..."
 
 
 def _read_json(path: Path) -> dict:
@@ -96,18 +107,21 @@ def load_target(path_or_repo: str) -> Target:
 
     path = resolve(path_or_repo, "model")
     config = _read_json(path / "config.json")
-    if "dflash_config" in config:
+    if "dflash_config" in config or set(config.get("architectures") or ()) & set(DRAFTER_ARCHITECTURES):
         raise LoadError(f"{path} is a DFlash drafter, not a target model; pass it as --draft-model")
     files = sorted(path.glob("model*.safetensors"))
     if not files:
-        raise LoadError(f"model directory {path} has no model*.safetensors weight files")
+        raise LoadError(f"model directory {path} has no model*.safetensors weight files; re-download the model or give the directory that holds its weights")
+    # Read the headers first (lazy, no tensor data): a damaged file is named as such here, not
+    # reported by mlx-lm as a config mismatch (a non-UTF-8 header raises a ValueError there).
+    _load_safetensors(files)
     try:
         model, config = load_model(path)
     except (ValueError, KeyError) as e:
-        msg = str(e).splitlines()[0] if str(e) else type(e).__name__
+        msg = _one_line(str(e)) or type(e).__name__
         if "model type" in msg.lower() or "not supported" in msg.lower():
             raise LoadError(f"model {path}: {msg}") from None
-        raise LoadError(f"model {path} does not match its config.json ({msg}); is the download complete?") from None
+        raise LoadError(f"model {path} does not match its config.json ({msg}); re-download it, the download may be incomplete") from None
     except RuntimeError as e:
         raise LoadError(f"model {path}: a weight file is corrupt or truncated ({str(e).splitlines()[0]}); re-download it") from None
     try:
@@ -128,10 +142,16 @@ def load_drafter(path_or_repo: str) -> Drafter:
     try:
         config = DrafterConfig.from_dict(raw)
     except ConfigError as e:
-        raise LoadError(f"draft model {path}: {e}") from None
+        archs = raw.get("architectures") or []
+        if not set(archs) & set(DRAFTER_ARCHITECTURES):
+            raise LoadError(
+                f"draft model {path} is not a DFlash drafter (architectures {archs}); pass a DFlash or "
+                "DFlash 2 drafter directory as --draft-model (a target model goes in --model)"
+            ) from None
+        raise LoadError(f"draft model {path}: {e}; check or re-download the drafter's config.json") from None
     files = sorted(path.glob("*.safetensors"))
     if not files:
-        raise LoadError(f"draft model directory {path} has no .safetensors weight files")
+        raise LoadError(f"draft model directory {path} has no .safetensors weight files; re-download the drafter or give the directory that holds its weights")
     weights = _load_safetensors(files)
     drafter = Drafter(config)
     quant = raw.get("quantization")
@@ -145,12 +165,12 @@ def load_drafter(path_or_repo: str) -> Drafter:
     unexpected = sorted(set(weights) - set(expected))
     if missing or unexpected:
         detail = f"missing {missing[:3]}" if missing else f"unexpected {unexpected[:3]}"
-        raise LoadError(f"draft model {path} does not match its config.json ({detail}); is it a complete {config.architecture} checkpoint?")
+        raise LoadError(f"draft model {path} does not match its config.json ({detail}); re-download it: the weights are not a complete {config.architecture} checkpoint for this config")
     for name, value in weights.items():
         if value.shape != expected[name].shape:
             raise LoadError(
                 f"draft model {path}: {name} has shape {tuple(value.shape)} but the config implies "
-                f"{tuple(expected[name].shape)}; the config.json and weights disagree"
+                f"{tuple(expected[name].shape)}; the config.json and weights disagree, re-download the drafter"
             )
     drafter.load_weights(list(weights.items()))
     drafter.eval()
@@ -164,23 +184,23 @@ def validate_pair(runner: TargetRunner, config: DrafterConfig, target_name: Opti
     if config.hidden_size != runner.hidden_size:
         raise LoadError(
             f"drafter hidden size {config.hidden_size} does not match the target's {runner.hidden_size}: "
-            "this drafter was trained for another target"
+            "this drafter was trained for another target; use the drafter made for this target"
         )
     if runner.vocab_size and config.vocab_size != runner.vocab_size:
         raise LoadError(
             f"drafter vocabulary {config.vocab_size} does not match the target's {runner.vocab_size}: "
-            "this drafter was trained for another target"
+            "this drafter was trained for another target; use the drafter made for this target"
         )
     bad = [i for i in config.target_layer_ids if not 0 <= i < runner.num_layers]
     if bad:
         raise LoadError(
             f"drafter taps target layers {config.target_layer_ids} but the target has {runner.num_layers} "
-            "layers: this drafter was trained for another target"
+            "layers: this drafter was trained for another target; use the drafter made for this target"
         )
     if config.num_target_layers is not None and config.num_target_layers != runner.num_layers:
         raise LoadError(
             f"drafter expects a target with {config.num_target_layers} layers but this one has "
-            f"{runner.num_layers}: this drafter was trained for another target"
+            f"{runner.num_layers}: this drafter was trained for another target; use the drafter made for this target"
         )
     vocab = runner.vocab_size or config.vocab_size
     if not 0 <= config.mask_token_id < vocab:

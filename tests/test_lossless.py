@@ -75,6 +75,36 @@ def test_speculative_greedy_equals_plain_greedy_on_220_random_cases(hybrid_targe
     seen = defaultdict(set)
     for _ in range(220):
         _case(rng, targets, seen)
+    _assert_full_coverage(seen)
+
+
+def test_lossless_through_the_compiled_kernel_bodies(hybrid_target, plain_target):
+    """The same property with the conv and selector running the .metal bodies compiled for the CPU."""
+    from kernel_harness import harness
+
+    from dflash2_mlx import kernels
+
+    targets = {"hybrid": hybrid_target, "plain": plain_target}
+    rng = random.Random(7)
+    seen = defaultdict(set)
+    calls = defaultdict(int)
+
+    def counted(name, fn):
+        def run(*args):
+            calls[name] += 1
+            return fn(*args)
+        return run
+
+    with kernels.override(**{k: counted(k, f) for k, f in harness.harness_kernels().items()}):
+        assert set(kernels.active_kernels().values()) == {"override"}
+        for _ in range(40):
+            _case(rng, targets, seen)
+        for block in range(2, 17):  # every accepted count 0..B-1 for every B, through the kernels
+            _forced_accepted_counts(hybrid_target if block % 2 else plain_target, block)
+    assert calls["two_tap_conv"] > 0 and calls["select_greedy"] > 0
+
+
+def _assert_full_coverage(seen):
     # every block size 2..16 saw 0 accepted and the full block (accepted B-1) at least once
     for block in range(2, 17):
         assert 0 in seen[block] and block - 1 in seen[block], f"block {block} only saw {sorted(seen[block])}"
@@ -84,7 +114,11 @@ def test_speculative_greedy_equals_plain_greedy_on_220_random_cases(hybrid_targe
 @pytest.mark.parametrize("block", range(2, 17))
 def test_every_accepted_count_occurs_for_every_block_size(hybrid_target, block):
     """For each B, drive accepted counts 0..B-1 on purpose with corruption offsets."""
-    cfg, model = hybrid_target
+    _forced_accepted_counts(hybrid_target, block)
+
+
+def _forced_accepted_counts(target, block, version=2):
+    cfg, model = target
     runner = TargetRunner(model)
     prompt = [7, 3, 200, 41]
     n_tokens = block * (block + 1) + 4
@@ -92,7 +126,7 @@ def test_every_accepted_count_occurs_for_every_block_size(hybrid_target, block):
     plain = _tokens(generate_autoregressive(runner, prompt, settings))
     continuation = prompt + plain
     # cycle c starts at committed position s; corrupting s+1+a makes exactly a accepted
-    dcfg = tiny.drafter_config(cfg, version=2, block_size=16)
+    dcfg = tiny.drafter_config(cfg, version=version, block_size=16)
     corrupt, pos, wanted = set(), len(prompt), list(range(block))
     for a in wanted:
         if a < block - 1:
@@ -145,3 +179,21 @@ def test_stop_tokens_and_max_tokens_clip_a_cycle(hybrid_target):
     stats = events[-1].stats
     # 1 prefill token + cycles of 8, 2 (clipped to max tokens: the last block is drafted short)
     assert stats.cycle_tokens == 10 and stats.verify_steps == 2 and stats.acceptance_length == 5.0
+
+
+def test_sampled_decoding_through_the_compiled_kernels_draws_what_the_reference_draws(hybrid_target):
+    """Given the same seed (so the same pre-drawn uniforms), the kernel path samples the same tokens."""
+    from kernel_harness import harness
+
+    from dflash2_mlx import kernels
+    from dflash2_mlx.sampling import SamplingSettings
+
+    cfg, model = hybrid_target
+    runner = TargetRunner(model)
+    dcfg = tiny.drafter_config(cfg, version=2, block_size=8)
+    drafter = tiny.build_drafter(dcfg)
+    settings = GenerationSettings(max_tokens=24, sampling=SamplingSettings(temperature=1.0), seed=11)
+    reference = _tokens(generate_speculative(runner, drafter, [3, 4, 5], settings))
+    with kernels.override(**harness.harness_kernels()):
+        compiled = _tokens(generate_speculative(runner, drafter, [3, 4, 5], settings))
+    assert compiled == reference
