@@ -1,0 +1,39 @@
+"""Use OpenBLAS for MLX's CPU matmuls on Linux when it is installed.
+
+MLX's Linux CPU wheel links a reference BLAS (a few GFLOP/s); loading OpenBLAS into the process
+before ``mlx.core`` is first imported makes float32 matmuls about 35x faster (measured here:
+4.5 -> 157 GFLOP/s at 512x512). It must happen before that import or it has no effect, which is
+why the package does it on import. Set DFLASH2_MLX_OPENBLAS=0 to keep MLX's own BLAS.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import sys
+
+CANDIDATES = ("libopenblas.so.0", "libopenblas.so")
+
+status = "not tried"
+
+
+def preload() -> str:
+    """Load OpenBLAS globally if possible; returns a one-line status for `doctor`."""
+    global status
+    if not sys.platform.startswith("linux"):
+        status = "not needed (not Linux)"
+    elif os.environ.get("DFLASH2_MLX_OPENBLAS", "1") == "0":
+        status = "disabled by DFLASH2_MLX_OPENBLAS=0"
+    elif "mlx.core" in sys.modules:
+        status = "not loaded: mlx.core was imported first"
+    else:
+        for name in CANDIDATES:
+            try:
+                ctypes.CDLL(name, mode=ctypes.RTLD_GLOBAL)
+                status = f"OpenBLAS ({name})"
+                break
+            except OSError:
+                continue
+        else:
+            status = "not found (apt-get install libopenblas0-pthread for fast CPU matmuls)"
+    return status
