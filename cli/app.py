@@ -91,6 +91,12 @@ def generate(
             sys.stdout.flush()
         stats = event.stats or stats
     text = "".join(pieces)
+    if not no_draft and stats.verify_steps >= 8 and stats.acceptance_length < 1.5:
+        typer.echo(
+            f"warning: acceptance length {stats.acceptance_length:.2f} is far below what a matched drafter reaches; "
+            "is this drafter made for this target (and its quantization)?",
+            err=True,
+        )
     if as_json:
         out = {"text": text, "tokens": tokens, **stats.as_dict()}
         if no_draft:
@@ -105,6 +111,55 @@ def generate(
         f"peak memory {stats.peak_memory_gb:.2f} GB",
         err=True,
     )
+
+
+@app.command()
+def doctor() -> None:
+    """Report the MLX backend, BLAS, active kernels, memory and model cache location."""
+    import platform
+
+    import mlx.core as mx
+    from huggingface_hub import constants as hf
+
+    from dflash2_mlx import __version__, blas, kernels
+
+    backend = "Metal" if mx.metal.is_available() else "CUDA" if (hasattr(mx, "cuda") and mx.cuda.is_available()) else "CPU"
+    info = mx.device_info() if hasattr(mx, "device_info") else {}
+    rows = [
+        ("dflash2-mlx", f"{__version__} (Python {platform.python_version()}, {platform.system()} {platform.machine()})"),
+        ("MLX", f"{_version('mlx')} on {backend} ({info.get('device_name', 'unknown device')}); mlx-lm {_version('mlx-lm')}"),
+        ("BLAS", blas.status if backend == "CPU" else "not used (GPU backend)"),
+        ("kernels", ", ".join(f"{name}: {where}" for name, where in kernels.active_kernels().items())),
+        ("memory", _memory_line(info)),
+        ("model cache", str(hf.HF_HUB_CACHE)),
+    ]
+    width = max(len(k) for k, _ in rows)
+    for key, value in rows:
+        typer.echo(f"{key:<{width}}  {value}")
+
+
+def _version(package: str) -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version(package)
+    except PackageNotFoundError:
+        return "not installed"
+
+
+def _memory_line(info: dict) -> str:
+    import os
+
+    total = info.get("memory_size")
+    if total is None and hasattr(os, "sysconf"):
+        try:
+            total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+        except (ValueError, OSError):
+            total = None
+    line = f"{total / 2**30:.1f} GiB total" if total else "unknown total"
+    if info.get("max_recommended_working_set_size"):
+        line += f", {info['max_recommended_working_set_size'] / 2**30:.1f} GiB recommended working set"
+    return line
 
 
 def main() -> None:

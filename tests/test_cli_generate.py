@@ -68,3 +68,10 @@ def test_bad_input_ends_in_one_line(tiny_checkpoints, tmp_path):
     # a prompt longer than the context (the tiny target's context is 4096 tokens)
     assert "context" in _one_line_error(run("generate", "--model", str(target), "--no-draft", "--ignore-chat-template",
                                             "--prompt", "ab" * 2100))
+
+
+def test_doctor_reports_backend_blas_and_kernels():
+    out = run("doctor")
+    assert out.returncode == 0, out.stderr
+    for key in ("MLX", "BLAS", "kernels", "two_tap_conv: reference", "select_greedy: reference", "model cache"):
+        assert key in out.stdout
