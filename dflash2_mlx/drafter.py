@@ -46,8 +46,17 @@ class ContextCache:
         return keys, values
 
     def skip(self, rows: int) -> None:
-        """Advance past rows that no layer can see anymore (long prompts, bounded windows)."""
+        """Advance past ``rows`` positions that no later block row can see.
+
+        Only valid when every layer is windowed and the skipped rows are at least a window
+        long: then nothing cached before them is visible anymore either, and it is dropped so
+        that the kept rows stay contiguous positions.
+        """
+        if rows <= 0:
+            return
         self.offset += rows
+        self.keys = [None] * len(self.keys)
+        self.values = [None] * len(self.values)
 
     @property
     def state(self) -> list:
@@ -109,6 +118,11 @@ class DrafterAttention(nn.Module):
         mask = self._mask(length, ctx_len)
         out = mx.fast.scaled_dot_product_attention(queries, keys, values, scale=self.scale, mask=mask)
         return self.o_proj(out.transpose(0, 2, 1, 3).reshape(b, length, -1))
+
+    def absorb(self, context: mx.array, rope, cache: ContextCache) -> None:
+        """Append projected context rows [1, n, H] at positions cache.offset.. (no block)."""
+        keys, values = self._keys_values(context, rope, cache.offset)
+        cache.append(self.layer, keys, values)
 
     def _train(self, x: mx.array, context: mx.array, rope, anchors: mx.array) -> mx.array:
         # Training: N blocks of one sequence at once. x: [N, L, H], block n at positions
@@ -269,6 +283,16 @@ class Drafter(nn.Module):
             h = layer(h, context, self._rope, cache, block_pos)
         cache.offset = block_pos
         return self.norm(h)
+
+    def absorb(self, features: mx.array, cache: ContextCache) -> None:
+        """Move the target features of newly committed positions [1, n, T*H] into the context
+        cache without drafting (prefill; prefix snapshots)."""
+        if features is None or features.shape[1] == 0:
+            return
+        context = self.hidden_norm(self.fc(features))
+        for layer in self.layers:
+            layer.self_attn.absorb(context, self._rope, cache)
+        cache.offset += features.shape[1]
 
     def train_forward(self, block_embeds: mx.array, features: mx.array, anchors: mx.array) -> mx.array:
         """Final-normed hidden rows of N blocks drafted from one sequence, in one pass (training).

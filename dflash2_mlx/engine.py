@@ -8,6 +8,7 @@ committed positions before the ones in ``new_features``.
 
 from __future__ import annotations
 
+import threading
 import time
 from dataclasses import dataclass, field
 from typing import Iterator, Optional, Sequence
@@ -15,6 +16,7 @@ from typing import Iterator, Optional, Sequence
 import mlx.core as mx
 
 from .drafter import Drafter
+from .prefix_cache import PrefixCache, PrefixEntry
 from .sampling import LogitsProcessor, SamplingSettings, apply_processors, probabilities, rejection_step, sample
 from .target import TargetRunner
 from .text import StopStrings
@@ -34,11 +36,14 @@ class GenerationSettings:
     stop_strings: Sequence[str] = ()
     logits_processors: Sequence[LogitsProcessor] = ()
     prefill_step_size: int = 512
+    logprobs: int = 0  # 0: off; n: each token's log-probability and the top n alternatives
+    cancel: Optional[threading.Event] = None  # set it to stop (checked between chunks and cycles)
 
 
 @dataclass
 class GenerationStats:
     prompt_tokens: int = 0
+    cached_tokens: int = 0  # prompt tokens restored from the prefix cache, not prefilled
     generation_tokens: int = 0
     verify_steps: int = 0
     cycle_tokens: int = 0  # tokens emitted by verify cycles (all but the prefill's)
@@ -71,6 +76,7 @@ class GenerationStats:
     def as_dict(self) -> dict:
         return {
             "prompt_tokens": self.prompt_tokens,
+            "cached_tokens": self.cached_tokens,
             "generation_tokens": self.generation_tokens,
             "verify_steps": self.verify_steps,
             "acceptance_length": self.acceptance_length,
@@ -92,6 +98,8 @@ class GenerationEvent:
     drafted: int = 0
     stats: Optional[GenerationStats] = None  # on the final event only
     finish_reason: Optional[str] = None
+    elapsed: float = 0.0  # seconds from the start of generation (prefill included) to this event
+    logprobs: Optional[list] = None  # per token: (logprob, [(token_id, logprob), ...]) when asked
 
 
 class _Output:
@@ -108,7 +116,7 @@ class _Output:
         self.t_first = self.t_last = None
         self.finished: Optional[str] = None
 
-    def add(self, new: list[int], accepted: Optional[int] = None, drafted: int = 0) -> GenerationEvent:
+    def add(self, new: list[int], accepted: Optional[int] = None, drafted: int = 0, logprobs=None) -> GenerationEvent:
         """Clip ``new`` at a stop token or max tokens; returns the event for what was kept."""
         kept = []
         for t in new:
@@ -138,7 +146,15 @@ class _Output:
                 self.finished = "stop"
         if self.finished:
             text += self.stops.flush() if not self.stops.hit else ""
-        return GenerationEvent(kept, text, accepted, drafted, finish_reason=self.finished)
+        return GenerationEvent(
+            kept, text, accepted, drafted, finish_reason=self.finished, elapsed=now - self.t_start,
+            logprobs=logprobs[: len(kept)] if logprobs is not None else None,
+        )
+
+    def cancel(self) -> GenerationEvent:
+        """The final event of a cancelled request (whatever text was held back is dropped)."""
+        self.finished = "cancelled"
+        return self.finish(GenerationEvent([], "", finish_reason="cancelled", elapsed=time.perf_counter() - self.t_start))
 
     def finish(self, event: GenerationEvent) -> GenerationEvent:
         s = self.stats
@@ -162,63 +178,136 @@ def _check_prompt(prompt: Sequence[int], runner: TargetRunner, settings: Generat
     return min(settings.max_tokens, room)
 
 
-def prefill(runner, prompt, cache, taps=None, keep_features=None, step=512):
-    """Feed the prompt in chunks; returns the last row's logits [1, V] and the tapped features of
-    the last ``keep_features`` prompt positions (all when None)."""
+class Cancelled(Exception):
+    """Raised inside prefill when the request's cancel event is set."""
+
+
+def prefill(
+    runner: TargetRunner,
+    prompt: Sequence[int],
+    settings: GenerationSettings,
+    drafter: Optional[Drafter] = None,
+    prefix_cache: Optional[PrefixCache] = None,
+    save_at: Sequence[int] = (),
+):
+    """Feed the prompt in chunks -> (last logits [1, V], target cache, drafter context, cached tokens).
+
+    With a drafter, the tapped features of every prompt position a later block can still see go
+    into the drafter's context cache as they are computed. With a prefix cache, the longest
+    stored prefix of the prompt is restored first, and snapshots are stored at each position of
+    ``save_at`` and at the end of the prompt (chunks are split there).
+    """
+    total = len(prompt)
+    cache = runner.make_cache()
+    context = drafter.make_cache() if drafter is not None else None
+    taps = drafter.config.target_layer_ids if drafter is not None else None
+    window = drafter.config.context_window if drafter is not None else None
+    pos, logits = 0, None
+    hit = prefix_cache.lookup(prompt, need_context=drafter is not None) if prefix_cache is not None else None
+    if hit is not None:
+        cache.restore(hit.target)
+        if context is not None:
+            context = hit.context.copy()
+        pos, logits = len(hit.tokens), hit.last_logits
+    cached = pos
     tokens = mx.array(prompt, dtype=mx.int32)[None]
-    features = []
-    start, total = 0, len(prompt)
-    while start < total:
-        end = min(start + step, total)
-        is_last = end == total
-        logits, feats = runner(tokens[:, start:end], cache, taps, logits_from=(end - start - 1) if is_last else end - start)
-        if taps:
-            features.append(feats)
-            if keep_features is not None:
-                kept = mx.concatenate(features, axis=1)[:, -keep_features:]
-                features = [kept]
-        if not is_last:
-            mx.eval([c.state for c in cache.layers], features)
-        start = end
-    feats = mx.concatenate(features, axis=1) if features else None
-    return logits[:, -1], feats
+    points = sorted({p for p in save_at if pos < p < total} | ({total} if pos < total else set()))
+    for point in points:
+        while pos < point:
+            _check_cancel(settings)
+            end = min(pos + settings.prefill_step_size, point)
+            logits_from = end - pos - 1 if end == total else end - pos  # only the prompt's last row
+            logits, features = runner(tokens[:, pos:end], cache, taps, logits_from=logits_from)
+            if context is not None:
+                # rows before `point - window` can never be seen by a block from `point` on
+                first = pos if window is None else max(pos, point - window)
+                context.skip(first - context.offset)
+                drafter.absorb(features[:, first - pos:], context)
+            mx.eval([c.state for c in cache.layers], [a for a in [logits, *(context.keys if context else [])] if a is not None])
+            pos = end
+        if prefix_cache is not None:
+            prefix_cache.store(PrefixEntry(
+                tuple(prompt[:point]), cache.snapshot(),
+                context.copy() if context is not None else None,
+                logits[:, -1] if point == total else None,
+            ))
+    return logits.reshape(1, -1), cache, context, cached
+
+
+def _check_cancel(settings: GenerationSettings) -> None:
+    if settings.cancel is not None and settings.cancel.is_set():
+        raise Cancelled()
 
 
 def _pick(logits: mx.array, history: mx.array, settings: GenerationSettings) -> mx.array:
     """The next token from one row of logits [1, V], exactly as plain decoding picks it."""
     logits = apply_processors(settings.logits_processors, history, logits)
     if settings.sampling.greedy:
-        return mx.argmax(logits, axis=-1)
-    return sample(probabilities(logits, settings.sampling))
+        return mx.argmax(logits, axis=-1), logits
+    return sample(probabilities(logits, settings.sampling)), logits
 
 
-def generate_autoregressive(
-    runner: TargetRunner, prompt: Sequence[int], settings: GenerationSettings, tokenizer=None
-) -> Iterator[GenerationEvent]:
-    """Plain decoding with the same target, processing and events (the baseline)."""
+def _logprobs(logits: mx.array, tokens: mx.array, n: int):
+    """Log-probabilities [R] of ``tokens`` [R] under processed logits [R, V], plus the top n."""
+    logp = logits.astype(mx.float32) - mx.logsumexp(logits.astype(mx.float32), axis=-1, keepdims=True)
+    chosen = mx.take_along_axis(logp, tokens[:, None], axis=-1)[:, 0]
+    top = mx.argsort(-logp, axis=-1)[:, :n] if n > 0 else None
+    return chosen, top, (mx.take_along_axis(logp, top, axis=-1) if top is not None else None)
+
+
+def _logprob_list(chosen, top, top_values, rows: int):
+    out = []
+    for i in range(rows):
+        alts = list(zip(top[i].tolist(), top_values[i].tolist())) if top is not None else []
+        out.append((float(chosen[i].item()), alts))
+    return out
+
+
+def _start(runner, prompt, settings, tokenizer):
+    """Common set-up: checks, seed, statistics and the output collector."""
     max_tokens = _check_prompt(prompt, runner, settings)
     settings = _with_max(settings, max_tokens)
     if settings.seed is not None:
         mx.random.seed(settings.seed)
     stats = GenerationStats(prompt_tokens=len(prompt))
-    t0 = time.perf_counter()
-    out = _Output(settings, tokenizer, stats, t0)
-    cache = runner.make_cache()
+    return settings, stats, _Output(settings, tokenizer, stats, time.perf_counter())
+
+
+def generate_autoregressive(
+    runner: TargetRunner,
+    prompt: Sequence[int],
+    settings: GenerationSettings,
+    tokenizer=None,
+    prefix_cache: Optional[PrefixCache] = None,
+    save_at: Sequence[int] = (),
+) -> Iterator[GenerationEvent]:
+    """Plain decoding with the same target, processing and events (the baseline)."""
+    settings, stats, out = _start(runner, prompt, settings, tokenizer)
+    try:
+        logits, cache, _, stats.cached_tokens = prefill(runner, prompt, settings, None, prefix_cache, save_at)
+    except Cancelled:
+        yield out.cancel()
+        return
     history = list(prompt)
-    logits, _ = prefill(runner, prompt, cache, step=settings.prefill_step_size)
-    token = _pick(logits, mx.array(history), settings)
+    token, processed = _pick(logits, mx.array(history), settings)
     mx.eval(token)
-    stats.prefill_seconds = time.perf_counter() - t0
+    stats.prefill_seconds = time.perf_counter() - out.t_start
     while True:
         t = int(token.item())
+        logprobs = None
+        if settings.logprobs:
+            logprobs = _logprob_list(*_logprobs(processed, token, settings.logprobs), 1)
         history.append(t)
-        event = out.add([t])
+        event = out.add([t], logprobs=logprobs)
         if out.finished:
             yield out.finish(event)
             return
         yield event
+        if settings.cancel is not None and settings.cancel.is_set():
+            yield out.cancel()
+            return
         logits, _ = runner(mx.array([[t]]), cache)
-        token = _pick(logits[:, -1], mx.array(history), settings)
+        token, processed = _pick(logits[:, -1], mx.array(history), settings)
         mx.async_eval(token)
 
 
@@ -228,6 +317,8 @@ def generate_speculative(
     prompt: Sequence[int],
     settings: GenerationSettings,
     tokenizer=None,
+    prefix_cache: Optional[PrefixCache] = None,
+    save_at: Sequence[int] = (),
 ) -> Iterator[GenerationEvent]:
     """Lossless speculative decoding: greedy output equals ``generate_autoregressive``'s token for
     token; sampled output follows exactly the target's distribution."""
@@ -235,33 +326,33 @@ def generate_speculative(
     block_size = settings.block_size or cfg.block_size
     if not 1 < block_size <= cfg.block_size:
         raise ValueError(f"block size must be in 2..{cfg.block_size} for this drafter, got {block_size}")
-    max_tokens = _check_prompt(prompt, runner, settings)
-    settings = _with_max(settings, max_tokens)
-    if settings.seed is not None:
-        mx.random.seed(settings.seed)
+    settings, stats, out = _start(runner, prompt, settings, tokenizer)
     sampling, greedy = settings.sampling, settings.sampling.greedy
     taps = cfg.target_layer_ids
-    stats = GenerationStats(prompt_tokens=len(prompt))
     stats.accepted_by_position = [0] * (block_size - 1)
     stats.drafted_by_position = [0] * (block_size - 1)
-    t0 = time.perf_counter()
-    out = _Output(settings, tokenizer, stats, t0)
-    cache, context = runner.make_cache(), drafter.make_cache()
-    window = cfg.context_window
-    logits, new_features = prefill(runner, prompt, cache, taps, window, settings.prefill_step_size)
-    context.skip(len(prompt) - new_features.shape[1])  # rows no drafter layer can see
+    try:
+        logits, cache, context, stats.cached_tokens = prefill(runner, prompt, settings, drafter, prefix_cache, save_at)
+    except Cancelled:
+        yield out.cancel()
+        return
     committed = list(prompt)
-    token = _pick(logits, mx.array(committed), settings)
+    token, processed = _pick(logits, mx.array(committed), settings)
     mx.eval(token)
-    stats.prefill_seconds = time.perf_counter() - t0
+    stats.prefill_seconds = time.perf_counter() - out.t_start
     anchor = int(token.item())
     committed.append(anchor)
-    event = out.add([anchor])
+    logprobs = _logprob_list(*_logprobs(processed, token, settings.logprobs), 1) if settings.logprobs else None
+    event = out.add([anchor], logprobs=logprobs)
+    new_features = None  # target features of positions committed since the drafter last saw them
     mask_id = cfg.mask_token_id
     hybrid = "gdn" in runner.kinds
     while not out.finished:
         yield event
-        bs = min(block_size, max_tokens - len(out.tokens) + 1)  # never draft past max_tokens
+        if settings.cancel is not None and settings.cancel.is_set():
+            yield out.cancel()
+            return
+        bs = min(block_size, settings.max_tokens - len(out.tokens) + 1)  # never draft past max_tokens
         # Draft: block = [anchor, MASK * (bs-1)] at positions n..n+bs-1.
         block = mx.array([[anchor] + [mask_id] * (bs - 1)], dtype=mx.int32)
         block_embeds = runner.embed(block) * cfg.input_embedding_scale
@@ -283,7 +374,8 @@ def generate_speculative(
         draft = draft.astype(mx.int32)  # [bs-1]
         # Verify: the target runs [anchor, d1..d(bs-1)] in one pass.
         recorded = [] if hybrid else None
-        verify_logits, verify_features = runner(mx.concatenate([block[0, :1], draft])[None], cache, taps, recorded)
+        verify_in = mx.concatenate([block[0, :1], draft])
+        verify_logits, verify_features = runner(verify_in[None], cache, taps, recorded)
         history = mx.concatenate([mx.array(committed, dtype=mx.int32), draft])
         verify_logits = apply_processors(settings.logits_processors, history, verify_logits[0])
         # Accept: the longest agreeing prefix (greedy) or rejection sampling; one host sync.
@@ -300,12 +392,16 @@ def generate_speculative(
             drafted, accepted = draft.tolist(), int(accepted_arr.item())
             bonus = int(next_tokens[accepted].item())
         new_tokens = drafted[:accepted] + [bonus]
+        logprobs = None
+        if settings.logprobs:  # verify row i is what plain decoding saw for emitted token i
+            lp = _logprobs(verify_logits[: accepted + 1], mx.array(new_tokens, dtype=mx.int32), settings.logprobs)
+            logprobs = _logprob_list(*lp, accepted + 1)
         # Roll back: the target keeps n+accepted+1 positions; the drafter gets the new rows next cycle.
         cache.rollback(recorded or [], fed=bs, keep=accepted + 1)
         new_features = verify_features[:, : accepted + 1]
         committed += new_tokens
         anchor = bonus
-        event = out.add(new_tokens, accepted, bs - 1)
+        event = out.add(new_tokens, accepted, bs - 1, logprobs=logprobs)
         stats.verify_steps += 1
         stats.cycle_tokens += len(event.tokens)
         stats.drafted_tokens += bs - 1

@@ -88,7 +88,8 @@ class TargetRunner:
     ) -> tuple[mx.array, Optional[mx.array]]:
         """Feed ``tokens`` [1, L] after what ``cache`` holds.
 
-        Returns logits [1, L - logits_from, V] (rows that are never read are not computed) and,
+        Returns logits [1, L - logits_from, V] (rows that are never read are not computed; None
+        when logits_from >= L) and,
         when ``taps`` is given, the concatenated outputs of those layers [1, L, len(taps) * H].
         With ``record`` (a list), Gated DeltaNet layers append what rollback needs.
         """
@@ -108,8 +109,9 @@ class TargetRunner:
             if i in wanted:
                 tapped[i] = h
         cache.advance(tokens.shape[1])
-        out = self.inner.norm(h[:, logits_from:] if logits_from else h)
-        logits = self.lm_head(out)
+        logits = None
+        if logits_from < tokens.shape[1]:
+            logits = self.lm_head(self.inner.norm(h[:, logits_from:] if logits_from else h))
         features = mx.concatenate([tapped[i] for i in taps], axis=-1) if taps else None
         return logits, features
 

@@ -1,0 +1,89 @@
+"""Snapshots of the caches after a prompt prefix, reusable by any prompt that extends it exactly.
+
+A Gated DeltaNet state cannot be trimmed back, so a snapshot is reusable only by a prompt that
+starts with exactly its tokens. The engine stores snapshots at the end of each prompt's prefill
+and at caller-given positions inside it (chat message boundaries), where later prompts really
+share the prefix. Entries are evicted least-recently-used first to stay under a byte budget.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from dataclasses import dataclass
+from typing import Optional, Sequence
+
+import mlx.core as mx
+
+from .caches import CacheSnapshot
+from .drafter import ContextCache
+
+
+@dataclass
+class PrefixEntry:
+    tokens: tuple[int, ...]
+    target: CacheSnapshot
+    context: Optional[ContextCache]  # the drafter's context cache; None when stored by plain decoding
+    last_logits: Optional[mx.array]  # [1, V] logits after the last token (end-of-prompt entries)
+
+    @property
+    def nbytes(self) -> int:
+        n = self.target.nbytes + (self.context.nbytes if self.context is not None else 0)
+        return n + (self.last_logits.nbytes if self.last_logits is not None else 0)
+
+
+class PrefixCache:
+    """A bounded (bytes) LRU of prefix snapshots for one target (and drafter)."""
+
+    def __init__(self, max_bytes: int = 2 * 2**30):
+        self.max_bytes = max_bytes
+        self._entries: "OrderedDict[tuple[int, ...], PrefixEntry]" = OrderedDict()
+        self.nbytes = 0
+        self.hits = self.misses = 0
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def lookup(self, tokens: Sequence[int], need_context: bool) -> Optional[PrefixEntry]:
+        """The longest stored prefix of ``tokens`` usable for this request, or None.
+
+        The whole prompt counts only when its logits were stored; otherwise at least one token
+        must remain to be prefilled (the first generated token needs the last row's logits).
+        """
+        best = None
+        for key, entry in self._entries.items():
+            n = len(key)
+            if n > len(tokens) or (best is not None and n <= len(best.tokens)):
+                continue
+            if n == len(tokens) and entry.last_logits is None:
+                continue
+            if need_context and entry.context is None:
+                continue
+            if tuple(tokens[:n]) == key:
+                best = entry
+        if best is None:
+            self.misses += 1
+            return None
+        self.hits += 1
+        self._entries.move_to_end(best.tokens)
+        return best
+
+    def store(self, entry: PrefixEntry) -> None:
+        old = self._entries.pop(entry.tokens, None)
+        if old is not None:
+            self.nbytes -= old.nbytes
+            if entry.context is None and old.context is not None:
+                entry.context = old.context  # keep what a speculative request already paid for
+            if entry.last_logits is None:
+                entry.last_logits = old.last_logits
+        size = entry.nbytes
+        if size > self.max_bytes:
+            return
+        self._entries[entry.tokens] = entry
+        self.nbytes += size
+        while self.nbytes > self.max_bytes:
+            _, evicted = self._entries.popitem(last=False)
+            self.nbytes -= evicted.nbytes
+
+    def clear(self) -> None:
+        self._entries.clear()
+        self.nbytes = 0
