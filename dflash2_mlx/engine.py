@@ -273,6 +273,19 @@ def _start(runner, prompt, settings, tokenizer):
     return settings, stats, _Output(settings, tokenizer, stats, time.perf_counter())
 
 
+def _prefill_and_pick(runner, prompt, settings, out, drafter, prefix_cache, save_at):
+    """Prefill, then the first generated token -> (cache, context, token, processed logits), or
+    None when cancelled during prefill."""
+    try:
+        logits, cache, context, out.stats.cached_tokens = prefill(runner, prompt, settings, drafter, prefix_cache, save_at)
+    except Cancelled:
+        return None
+    token, processed = _pick(logits, mx.array(list(prompt)), settings)
+    mx.eval(token)
+    out.stats.prefill_seconds = time.perf_counter() - out.t_start
+    return cache, context, token, processed
+
+
 def generate_autoregressive(
     runner: TargetRunner,
     prompt: Sequence[int],
@@ -283,15 +296,12 @@ def generate_autoregressive(
 ) -> Iterator[GenerationEvent]:
     """Plain decoding with the same target, processing and events (the baseline)."""
     settings, stats, out = _start(runner, prompt, settings, tokenizer)
-    try:
-        logits, cache, _, stats.cached_tokens = prefill(runner, prompt, settings, None, prefix_cache, save_at)
-    except Cancelled:
+    first = _prefill_and_pick(runner, prompt, settings, out, None, prefix_cache, save_at)
+    if first is None:
         yield out.cancel()
         return
+    cache, _, token, processed = first
     history = list(prompt)
-    token, processed = _pick(logits, mx.array(history), settings)
-    mx.eval(token)
-    stats.prefill_seconds = time.perf_counter() - out.t_start
     while True:
         t = int(token.item())
         logprobs = None
@@ -331,15 +341,12 @@ def generate_speculative(
     taps = cfg.target_layer_ids
     stats.accepted_by_position = [0] * (block_size - 1)
     stats.drafted_by_position = [0] * (block_size - 1)
-    try:
-        logits, cache, context, stats.cached_tokens = prefill(runner, prompt, settings, drafter, prefix_cache, save_at)
-    except Cancelled:
+    first = _prefill_and_pick(runner, prompt, settings, out, drafter, prefix_cache, save_at)
+    if first is None:
         yield out.cancel()
         return
+    cache, context, token, processed = first
     committed = list(prompt)
-    token, processed = _pick(logits, mx.array(committed), settings)
-    mx.eval(token)
-    stats.prefill_seconds = time.perf_counter() - out.t_start
     anchor = int(token.item())
     committed.append(anchor)
     logprobs = _logprob_list(*_logprobs(processed, token, settings.logprobs), 1) if settings.logprobs else None

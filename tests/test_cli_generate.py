@@ -57,6 +57,12 @@ def test_bad_input_ends_in_one_line(tiny_checkpoints, tmp_path):
     assert "top_p" in _one_line_error(run(*base, "--model", str(target), "--no-draft", "--top-p", "0"))
     assert "max-tokens" in _one_line_error(run(*base, "--model", str(target), "--no-draft", "--max-tokens", "0"))
     assert "No such option" in _one_line_error(run(*base, "--bogus"))
+    # a drafter made for another target (hidden size 32 instead of 64)
+    import tiny
+
+    other = tiny.save_drafter(tiny.build_drafter(tiny.drafter_config(tiny.plain_config(hidden=32))), tmp_path / "other")
+    line = _one_line_error(run(*base, "--model", str(target), "--draft-model", str(other)))
+    assert "32" in line and "64" in line and "another target" in line
     # a corrupt weight file
     broken = tmp_path / "broken"
     broken.mkdir()

@@ -64,6 +64,8 @@ def _case(rng: random.Random, targets, record_counts):
         if e.accepted is not None:
             record_counts[block].add(e.accepted)
     stats = events[-1].stats
+    times = [e.elapsed for e in events]
+    assert times == sorted(times) and times[0] > 0
     assert stats.generation_tokens == len(spec) <= MAX_TOKENS
     assert stats.cycle_tokens == len(spec) - 1
     assert stats.acceptance_length == pytest.approx((len(spec) - 1) / stats.verify_steps)
