@@ -239,9 +239,10 @@ def _check_cancel(settings: GenerationSettings) -> None:
         raise Cancelled()
 
 
-def _pick(logits: mx.array, history: mx.array, settings: GenerationSettings) -> mx.array:
+def _pick(logits: mx.array, history: list[int], settings: GenerationSettings) -> mx.array:
     """The next token from one row of logits [1, V], exactly as plain decoding picks it."""
-    logits = apply_processors(settings.logits_processors, history, logits)
+    if settings.logits_processors:
+        logits = apply_processors(settings.logits_processors, mx.array(history, dtype=mx.int32), logits)
     if settings.sampling.greedy:
         return mx.argmax(logits, axis=-1), logits
     return sample(probabilities(logits, settings.sampling)), logits
@@ -280,7 +281,7 @@ def _prefill_and_pick(runner, prompt, settings, out, drafter, prefix_cache, save
         logits, cache, context, out.stats.cached_tokens = prefill(runner, prompt, settings, drafter, prefix_cache, save_at)
     except Cancelled:
         return None
-    token, processed = _pick(logits, mx.array(list(prompt)), settings)
+    token, processed = _pick(logits, list(prompt), settings)
     mx.eval(token)
     out.stats.prefill_seconds = time.perf_counter() - out.t_start
     return cache, context, token, processed
@@ -317,7 +318,7 @@ def generate_autoregressive(
             yield out.cancel()
             return
         logits, _ = runner(mx.array([[t]]), cache)
-        token, processed = _pick(logits[:, -1], mx.array(history), settings)
+        token, processed = _pick(logits[:, -1], history, settings)
         mx.async_eval(token)
 
 
@@ -383,8 +384,10 @@ def generate_speculative(
         recorded = [] if hybrid else None
         verify_in = mx.concatenate([block[0, :1], draft])
         verify_logits, verify_features = runner(verify_in[None], cache, taps, recorded)
-        history = mx.concatenate([mx.array(committed, dtype=mx.int32), draft])
-        verify_logits = apply_processors(settings.logits_processors, history, verify_logits[0])
+        verify_logits = verify_logits[0]
+        if settings.logits_processors:  # row i sees committed + d1..di, as plain decoding did
+            history = mx.concatenate([mx.array(committed, dtype=mx.int32), draft])
+            verify_logits = apply_processors(settings.logits_processors, history, verify_logits)
         # Accept: the longest agreeing prefix (greedy) or rejection sampling; one host sync.
         if greedy:
             target_tokens = mx.argmax(verify_logits, axis=-1)
