@@ -25,12 +25,8 @@ def _root() -> None:
     """Lossless DFlash 2 speculative decoding on MLX."""
 
 
-class UserError(Exception):
-    """A problem the user can fix; printed as one line."""
-
-
-def _fail(message: str) -> None:
-    raise UserError(message)
+from .common import UserError  # noqa: E402  (re-exported: commands raise it, main() prints it)
+from .common import fail as _fail  # noqa: E402
 
 
 @app.command()
@@ -114,8 +110,15 @@ def generate(
 
 
 @app.command()
-def doctor() -> None:
-    """Report the MLX backend, BLAS, active kernels, memory and model cache location."""
+def doctor(
+    self_test: bool = typer.Option(True, "--self-test/--no-self-test", help="Run the five-second lossless self-test on the embedded pair."),
+) -> None:
+    """Report the MLX backend, BLAS, kernels, memory and model cache; run a lossless self-test.
+
+    The self-test (about five seconds) decodes the embedded tiny pair's demo prompt speculatively
+    and autoregressively (greedy) and checks the outputs are identical; it is skipped, with a
+    line saying so, when the embedded pair is not installed.
+    """
     import platform
 
     import mlx.core as mx
@@ -133,9 +136,86 @@ def doctor() -> None:
         ("memory", _memory_line(info)),
         ("model cache", str(hf.HF_HUB_CACHE)),
     ]
-    width = max(len(k) for k, _ in rows)
+    width = max(len(k) for k, _ in rows + [("self-test", "")])
     for key, value in rows:
         typer.echo(f"{key:<{width}}  {value}")
+    if self_test:
+        ok, line = _self_test()
+        typer.echo(f"{'self-test':<{width}}  {line}")
+        if not ok:
+            raise typer.Exit(1)
+
+
+def _self_test(max_tokens: int = 48) -> tuple[bool, str]:
+    """Speculative == autoregressive greedy on the embedded pair's first demo prompt."""
+    import time
+
+    from dflash2_mlx.engine import GenerationSettings, generate_autoregressive, generate_speculative
+    from dflash2_mlx.loading import LoadError
+
+    from .common import embedded_pair, embedded_prompts, encode_line, load_models, ModelChoice
+
+    pair = embedded_pair()
+    if pair is None:
+        return True, "skipped: the embedded demo pair is not installed (dflash2_mlx/assets)"
+    t0 = time.perf_counter()
+    try:
+        target, drafter = load_models(ModelChoice(str(pair[0]), str(pair[1]), "embedded tiny pair", True), quiet=True)
+    except LoadError as e:
+        return False, f"FAILED: the embedded pair does not load: {e}"
+    lines = embedded_prompts() or [{"prompt": "The"}]
+    ids = encode_line(target.tokenizer, lines[0])
+    settings = GenerationSettings(max_tokens=max_tokens, stop_token_ids=sorted(target.tokenizer.eos_token_ids))
+    spec, stats = [], None
+    for event in generate_speculative(target.runner, drafter, ids, settings, target.tokenizer):
+        spec += event.tokens
+        stats = event.stats or stats
+    plain = [t for event in generate_autoregressive(target.runner, ids, settings, target.tokenizer) for t in event.tokens]
+    seconds = time.perf_counter() - t0
+    if spec != plain:
+        i = next((k for k, (a, b) in enumerate(zip(spec, plain)) if a != b), min(len(spec), len(plain)))
+        return False, f"FAILED: speculative output differs from autoregressive at token {i} (of {len(plain)})"
+    return True, (f"lossless: speculative == autoregressive greedy on {len(plain)} tokens, "
+                  f"acceptance length {stats.acceptance_length:.2f} ({seconds:.1f} s)")
+
+
+def _register() -> None:
+    """The commands that live in their own modules; optional ones only when their module exists."""
+    import importlib
+
+    from .bench import bench_command
+    from .chat import chat_command
+    from .convert import convert_command
+    from .demo import demo_command
+    from .download import download_command
+
+    app.command("chat")(chat_command)
+    app.command("demo")(demo_command)
+    app.command("bench")(bench_command)
+    app.command("convert")(convert_command)
+    app.command("download")(download_command)
+    for module, attr, name in (("train", "train_drafter_command", "train-drafter"), ("serve", "serve_command", "serve")):
+        qualified = f"{__package__}.{module}"
+        try:
+            command = getattr(importlib.import_module(qualified), attr)
+        except ModuleNotFoundError as e:
+            if e.name == qualified:
+                continue  # not written yet
+            command = _missing_dependency(name, e)
+        except (ImportError, AttributeError) as e:
+            command = _missing_dependency(name, e)
+        app.command(name)(command)
+
+
+def _missing_dependency(name: str, error: Exception):
+    def command() -> None:
+        _fail(f"`{name}` is unavailable: {error}")
+
+    command.__doc__ = f"(unavailable here: {error})"
+    return command
+
+
+_register()
 
 
 def _version(package: str) -> str:

@@ -1,0 +1,252 @@
+"""What the commands share: which models to load (defaults, presets, the embedded pair), loading
+them with a status line, chat-template encoding with message boundaries, and one-line errors."""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Optional, Sequence
+
+import typer
+
+
+class UserError(Exception):
+    """A problem the user can fix; `main()` prints it as one line."""
+
+
+def fail(message: str) -> None:
+    raise UserError(message)
+
+
+# Options shared by chat, demo and bench (typer copies the defaults, so one instance serves all).
+MODEL_HELP = ("Target model: local directory or Hugging Face repo id (downloaded on first use). "
+              "Default: the embedded tiny demo pair, when installed.")
+DRAFT_HELP = "DFlash / DFlash 2 drafter for the target: directory or repo id."
+def _preset_help() -> str:
+    from dflash2_mlx.presets import PRESETS
+
+    return ("A named target + drafter pair, downloaded on first use: "
+            + "; ".join(f"{p.name} ({p.memory_line()})" for p in PRESETS.values()) + ". See docs/cli.md.")
+
+
+PRESET_HELP = _preset_help()
+
+
+def model_option():
+    return typer.Option(None, "--model", "-m", help=MODEL_HELP)
+
+
+def draft_option():
+    return typer.Option(None, "--draft-model", "-d", help=DRAFT_HELP)
+
+
+def preset_option():
+    return typer.Option(None, "--preset", help=PRESET_HELP)
+
+
+# ---------------------------------------------------------------------------------------------
+# The embedded tiny pair (dflash2_mlx.assets): optional, the commands work without it.
+
+
+def _value(x: Any) -> Any:
+    return x() if callable(x) else x
+
+
+def embedded_pair() -> Optional[tuple[Path, Path]]:
+    """(target dir, drafter dir) of the embedded tiny pair, or None when it is not installed."""
+    try:
+        from dflash2_mlx import assets
+
+        target = Path(_value(assets.demo_target_path))
+        drafter = Path(_value(assets.demo_drafter_path))
+    except (ImportError, AttributeError, FileNotFoundError, OSError, TypeError, ValueError):
+        return None
+    if not (target / "config.json").exists() or not (drafter / "config.json").exists():
+        return None
+    return target, drafter
+
+
+def embedded_prompts() -> list[dict]:
+    """The embedded pair's demo prompts as bench lines ({"prompt"} fed as is, {"messages"} templated)."""
+    try:
+        from dflash2_mlx import assets
+
+        raw = _value(assets.demo_prompts)
+    except (ImportError, AttributeError, FileNotFoundError, OSError, TypeError, ValueError):
+        return []
+    out = []
+    for item in raw or []:
+        if isinstance(item, str):
+            out.append({"prompt": item})
+        elif isinstance(item, dict) and ("prompt" in item or "messages" in item):
+            out.append({k: item[k] for k in ("prompt", "messages", "name") if k in item})
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+# Which models
+
+
+@dataclass
+class ModelChoice:
+    target: str
+    drafter: Optional[str]
+    label: str  # what the user called it (preset name, "embedded tiny pair", or the paths)
+    embedded: bool = False
+
+
+def choose_models(model: Optional[str], draft_model: Optional[str], preset: Optional[str],
+                  need_draft: bool = True) -> ModelChoice:
+    """Resolve --model / --draft-model / --preset / the embedded default into two specs."""
+    if preset is not None:
+        from dflash2_mlx.presets import UnknownPreset, get_preset
+
+        if model is not None:
+            fail("--preset and --model are exclusive: a preset names its own target")
+        try:
+            p = get_preset(preset)
+        except UnknownPreset as e:
+            fail(e.args[0])
+        return ModelChoice(p.target, (draft_model or p.drafter) if need_draft else None, f"preset {p.name}")
+    if model is not None:
+        if need_draft and draft_model is None:
+            fail("--draft-model is required with --model (the DFlash 2 drafter made for that target)")
+        return ModelChoice(model, draft_model if need_draft else None, Path(model).name or model)
+    pair = embedded_pair()
+    if pair is None:
+        fail("no --model given and the embedded demo pair is not installed; pass --model and --draft-model "
+             "(or --preset NAME, e.g. --preset qwen3.8-27b)")
+    if draft_model is not None:
+        fail("--draft-model needs --model (the embedded pair brings its own drafter)")
+    return ModelChoice(str(pair[0]), str(pair[1]) if need_draft else None, "embedded tiny pair", embedded=True)
+
+
+def load_models(choice: ModelChoice, block_size: Optional[int] = None, quiet: bool = False):
+    """Load the target (and drafter), validate the pair; returns (Target, Drafter | None)."""
+    from rich.console import Console
+
+    from dflash2_mlx.loading import load_drafter, load_target, validate_pair
+
+    console = Console(stderr=True)
+    with console.status(f"loading {choice.label} ...") if not quiet and console.is_terminal else _null():
+        target = load_target(choice.target)
+        drafter = None
+        if choice.drafter is not None:
+            drafter = load_drafter(choice.drafter)
+            validate_pair(target.runner, drafter.config, target.name)
+    if drafter is not None and block_size is not None and not 1 < block_size <= drafter.config.block_size:
+        fail(f"--block-size must be in 2..{drafter.config.block_size} for this drafter, got {block_size}")
+    return target, drafter
+
+
+class _null:
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+
+def sampling_settings(temp: float, top_p: float = 1.0, top_k: int = 0, min_p: float = 0.0):
+    from dflash2_mlx.sampling import SamplingSettings
+
+    try:
+        return SamplingSettings(temperature=temp, top_p=top_p, top_k=top_k, min_p=min_p)
+    except ValueError as e:
+        fail(str(e))
+
+
+def check_positive(name: str, value: Optional[int], minimum: int = 1) -> None:
+    if value is not None and value < minimum:
+        fail(f"{name} must be at least {minimum}, got {value}")
+
+
+# ---------------------------------------------------------------------------------------------
+# Prompts
+
+
+def encode_messages(tokenizer, messages: Sequence[dict], add_generation_prompt: bool = True,
+                    **template_kwargs) -> list[int]:
+    """Token ids of a conversation through the model's chat template."""
+    if not getattr(tokenizer, "chat_template", None):
+        # No template: the plain concatenation a completion model would see.
+        text = "".join(f"{m['content']}\n" for m in messages)
+        return list(tokenizer.encode(text))
+    try:
+        return list(tokenizer.apply_chat_template(list(messages), add_generation_prompt=add_generation_prompt,
+                                                  tokenize=True, **template_kwargs))
+    except Exception as e:  # jinja errors (e.g. a template that rejects a role order) are the user's
+        fail(f"the chat template rejected the conversation: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}")
+
+
+def message_boundaries(tokenizer, messages: Sequence[dict], prompt: Sequence[int], **template_kwargs) -> list[int]:
+    """Positions in ``prompt`` where a message of ``messages`` ends (for ``save_at``).
+
+    Each prefix of the conversation is rendered on its own; only renderings that are an exact
+    token prefix of the full prompt count (templates that re-render earlier turns, e.g. dropping
+    thinking blocks, produce no boundary there, which is right: no later prompt shares it).
+    """
+    if not getattr(tokenizer, "chat_template", None):
+        return []
+    out = []
+    # The last few prefixes are enough: earlier boundaries were stored by earlier turns.
+    for k in range(max(1, len(messages) - 2), len(messages) + 1):
+        try:
+            ids = tokenizer.apply_chat_template(list(messages[:k]), add_generation_prompt=False, tokenize=True,
+                                                **template_kwargs)
+        except Exception:
+            continue
+        n = len(ids)
+        if 0 < n < len(prompt) and list(prompt[:n]) == list(ids):
+            out.append(n)
+    return sorted(set(out))
+
+
+def encode_line(tokenizer, line: dict, **template_kwargs) -> list[int]:
+    """A bench/demo prompt line: {"prompt": text} fed as is, {"messages": [...]} templated."""
+    if "messages" in line:
+        return encode_messages(tokenizer, line["messages"], **template_kwargs)
+    from dflash2_mlx.text import encode_prompt
+
+    return encode_prompt(tokenizer, line["prompt"], use_chat_template=False)
+
+
+_CONTROL = re.compile(r"[\x00-\x08\x0b-\x1f\x7f]")
+
+
+def printable(text: str) -> str:
+    """Model text safe for a terminal: control characters (escape sequences!) shown as U+FFFD."""
+    return _CONTROL.sub("\ufffd", text)
+
+
+def fmt_seconds(s: float) -> str:
+    return f"{s * 1000:.0f} ms" if s < 1 else f"{s:.2f} s"
+
+
+def generation_defaults(model_dir: Path) -> dict:
+    """Sampling defaults from the model's generation_config.json (temperature, top_p, top_k, min_p)."""
+    import json
+
+    try:
+        cfg = json.loads((Path(model_dir) / "generation_config.json").read_text())
+    except (OSError, ValueError):
+        return {}
+    out = {}
+    if cfg.get("do_sample") is False:
+        return {"temperature": 0.0}
+    for key in ("temperature", "top_p", "top_k", "min_p"):
+        if isinstance(cfg.get(key), (int, float)) and not isinstance(cfg.get(key), bool):
+            out[key] = cfg[key]
+    return out
+
+
+def chat_sampling(model_dir: Path, temp, top_p, top_k, min_p):
+    """Sampling settings: explicit options win, then generation_config.json, then greedy."""
+    d = generation_defaults(model_dir)
+    return sampling_settings(
+        temp if temp is not None else float(d.get("temperature", 0.0)),
+        top_p if top_p is not None else float(d.get("top_p", 1.0)),
+        top_k if top_k is not None else int(d.get("top_k", 0)),
+        min_p if min_p is not None else float(d.get("min_p", 0.0)),
+    )

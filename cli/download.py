@@ -1,0 +1,78 @@
+"""`dflash2-mlx download`: fetch a target or drafter repo into the Hugging Face cache ahead of time.
+
+Commands that take --model / --draft-model download on first use anyway (``loading.resolve``);
+this command does the same work up front, with huggingface_hub's progress bars for the large
+files, and the same one-line messages for gated, missing and offline repos.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Optional
+
+import typer
+
+from .common import fail
+
+
+def _size(path: Path) -> int:
+    return sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
+
+
+def download_command(
+    repo: Optional[str] = typer.Argument(None, metavar="REPO", help="Hugging Face repo id (org/name) of a target or a drafter."),
+    draft: bool = typer.Option(False, "--draft", help="The repo is a DFlash / DFlash 2 drafter (checked after download)."),
+    preset: Optional[str] = typer.Option(None, "--preset", help="Download both repos of a preset (e.g. qwen3.8-27b) instead of REPO."),
+) -> None:
+    """Download a model repo (or a preset's target and drafter) with progress bars.
+
+    Files go to the Hugging Face cache (HF_HOME / HF_HUB_CACHE; `dflash2-mlx doctor` shows where).
+    Only what dflash2-mlx needs is fetched: config and tokenizer files and the safetensors weights.
+    Gated repos need `hf auth login` after accepting the license on huggingface.co; with
+    HF_HUB_OFFLINE=1 only repos already in the cache resolve.
+    """
+    from dflash2_mlx.config import ConfigError, DrafterConfig
+    from dflash2_mlx.loading import resolve
+    from dflash2_mlx.presets import PRESETS, UnknownPreset, get_preset
+
+    from .convert import is_drafter_config
+
+    if preset is not None:
+        if repo is not None or draft:
+            fail("--preset names its own repos: give either REPO or --preset")
+        try:
+            p = get_preset(preset)
+        except UnknownPreset as e:
+            fail(e.args[0])
+        jobs = [(p.target, False), (p.drafter, True)]
+        if not p.verified:
+            typer.echo(f"note: the repo ids of preset {p.name} are not verified on the Hub yet", err=True)
+        typer.echo(f"preset {p.name}: {p.memory_line()}", err=True)
+    elif repo is None:
+        fail(f"give a repo id (org/name) or --preset ({', '.join(sorted(PRESETS))})")
+    else:
+        if Path(repo).expanduser().exists():
+            fail(f"{repo} is a local path; download takes a Hugging Face repo id like org/name")
+        jobs = [(repo, draft)]
+    for repo_id, is_draft in jobs:
+        what = "draft model" if is_draft else "model"
+        typer.echo(f"downloading {what} {repo_id} ...", err=True)
+        path = resolve(repo_id, what)
+        try:
+            config = json.loads((path / "config.json").read_text())
+        except (OSError, ValueError):
+            fail(f"{repo_id}: config.json is unreadable in {path}; delete it from the cache and download again")
+        drafter = is_drafter_config(config)
+        if is_draft and not drafter:
+            fail(f"{repo_id} is not a DFlash drafter (architectures {config.get('architectures')}); drop --draft for a target")
+        if drafter:
+            try:
+                DrafterConfig.from_dict(config)
+            except ConfigError as e:
+                fail(f"{repo_id}: {e}")
+        weights = list(path.glob("*.safetensors"))
+        if not weights:
+            fail(f"{repo_id} has no .safetensors weights; dflash2-mlx loads safetensors checkpoints only")
+        kind = "drafter" if drafter else "target"
+        typer.echo(f"{repo_id} ({kind}): {len(weights)} weight files, {_size(path) / 2**30:.2f} GiB at {path}")

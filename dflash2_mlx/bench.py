@@ -1,0 +1,242 @@
+"""Benchmark: speculative against autoregressive decoding over a prompt set.
+
+The JSON contract (``dflash2-mlx bench --json``)::
+
+    {"mean": {"acceptance_length", "spec_decode_tps", "ar_decode_tps", "speedup", ...},
+     "prompts": [{"acceptance_length", "spec_decode_tps", "ar_decode_tps", "speedup", "identical", ...}, ...]}
+
+- ``prompts`` are in file order; ``identical`` is true/false at temperature 0 (speculative tokens
+  == autoregressive tokens) and null when sampling.
+- ``mean.acceptance_length`` = all cycle tokens / all verify cycles (not a mean of ratios);
+  ``mean.spec_decode_tps`` and ``mean.ar_decode_tps`` are means over prompts;
+  ``mean.speedup`` = mean.spec_decode_tps / mean.ar_decode_tps.
+- One warm-up run (both modes, on the first prompt, not recorded) before timing; for every prompt
+  the speculative and the plain run follow each other (the order alternates between prompts, so
+  neither mode always runs on a freshly cooled or freshly warmed machine).
+
+Prompt files are JSON lines: ``{"prompt": "..."}`` (fed as is, no chat template) or
+``{"messages": [...]}`` (the model's chat template applied, with the generation prompt).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Callable, Optional, Sequence
+
+# Written for this project: short instructions whose answers mix prose, code, lists and arithmetic,
+# the kinds of text acceptance differs on. Chat-template lines, for instruction-tuned targets.
+BUILTIN_PROMPTS: list[dict] = [
+    {"messages": [{"role": "user", "content": "Write a Python function that returns the n-th Fibonacci number iteratively, with a docstring and two doctests."}]},
+    {"messages": [{"role": "user", "content": "Explain in three short paragraphs why the sky is blue, for a curious twelve-year-old."}]},
+    {"messages": [{"role": "user", "content": "A train leaves at 09:40 and arrives at 13:05. How long is the trip? Show the steps."}]},
+    {"messages": [{"role": "user", "content": "List ten everyday uses of a paperclip, one per line, numbered."}]},
+    {"messages": [{"role": "user", "content": "Translate into French: 'The library opens at nine, but the reading room stays closed until noon on Mondays.'"}]},
+    {"messages": [{"role": "user", "content": "Write a SQL query that returns the five customers with the highest total order value in 2024 from tables customers(id, name) and orders(id, customer_id, total, created_at)."}]},
+    {"messages": [{"role": "system", "content": "You are a concise assistant."},
+                  {"role": "user", "content": "Summarise the rules of tic-tac-toe in at most five bullet points."}]},
+    {"messages": [{"role": "user", "content": "Write a short story of about 150 words about a lighthouse keeper who finds a message in a bottle."}]},
+]
+
+
+class PromptFileError(ValueError):
+    """A prompt file that cannot be read, with the line at fault."""
+
+
+def read_prompts(path: str | Path) -> list[dict]:
+    """Lines of a prompts JSONL file, validated (blank lines are skipped)."""
+    path = Path(path)
+    try:
+        text = path.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise PromptFileError(f"prompt file {path} does not exist") from None
+    except (OSError, UnicodeDecodeError) as e:
+        raise PromptFileError(f"cannot read prompt file {path}: {e}") from None
+    lines = []
+    for number, raw in enumerate(text.splitlines(), 1):
+        if not raw.strip():
+            continue
+        try:
+            item = json.loads(raw)
+        except json.JSONDecodeError as e:
+            raise PromptFileError(f"{path}:{number}: not valid JSON ({e.msg})") from None
+        lines.append(validate_line(item, f"{path}:{number}"))
+    if not lines:
+        raise PromptFileError(f"prompt file {path} has no prompts")
+    return lines
+
+
+def validate_line(item, where: str) -> dict:
+    if not isinstance(item, dict) or ("prompt" in item) == ("messages" in item):
+        raise PromptFileError(f'{where}: each line must be an object with either "prompt" or "messages"')
+    if "prompt" in item:
+        if not isinstance(item["prompt"], str) or not item["prompt"]:
+            raise PromptFileError(f'{where}: "prompt" must be a non-empty string')
+    else:
+        msgs = item["messages"]
+        if not isinstance(msgs, list) or not msgs or not all(
+            isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str) for m in msgs
+        ):
+            raise PromptFileError(f'{where}: "messages" must be a non-empty list of {{"role", "content"}} objects')
+    return item
+
+
+def label(line: dict, width: int = 60) -> str:
+    """A one-line preview of a prompt line (its text, or the last message's)."""
+    text = line["prompt"] if "prompt" in line else line["messages"][-1]["content"]
+    text = " ".join(text.split())
+    return text if len(text) <= width else text[: width - 1] + "…"
+
+
+@dataclass
+class Run:
+    tokens: list[int]
+    stats: object  # GenerationStats
+
+
+def _run(events) -> Run:
+    tokens, stats = [], None
+    for event in events:
+        tokens += event.tokens
+        stats = event.stats or stats
+    return Run(tokens, stats)
+
+
+def _safe_ratio(a: float, b: float) -> Optional[float]:
+    return a / b if b else None
+
+
+def run_bench(
+    target,
+    drafter,
+    lines: Sequence[dict],
+    settings,
+    encode: Callable[[dict], list[int]],
+    on_prompt: Optional[Callable[[int, dict], None]] = None,
+    warmup: bool = True,
+) -> "BenchResult":
+    """Run every prompt speculatively and autoregressively; ``.contract`` is the JSON object.
+
+    ``settings`` is an engine ``GenerationSettings`` (max tokens, sampling, seed, block size, stop
+    tokens); ``encode`` turns a prompt line into token ids; ``on_prompt(i, result)`` is called as
+    each prompt finishes (for progress display).
+    """
+    from dflash2_mlx.engine import generate_autoregressive, generate_speculative
+
+    tokenizer = target.tokenizer
+    greedy = settings.sampling.greedy
+    prompts = [encode(line) for line in lines]
+
+    def spec(ids):
+        return _run(generate_speculative(target.runner, drafter, ids, settings, tokenizer))
+
+    def plain(ids):
+        return _run(generate_autoregressive(target.runner, ids, settings, tokenizer))
+
+    if warmup and prompts:
+        short = replace(settings, max_tokens=min(settings.max_tokens, 32))
+        _run(generate_speculative(target.runner, drafter, prompts[0], short, tokenizer))
+        _run(generate_autoregressive(target.runner, prompts[0], short, tokenizer))
+
+    results, details = [], []
+    cycle_tokens = verify_steps = 0
+    accepted_pos: list[int] = []
+    drafted_pos: list[int] = []
+    for i, (line, ids) in enumerate(zip(lines, prompts)):
+        if i % 2 == 0:
+            s, a = spec(ids), plain(ids)
+        else:
+            a, s = plain(ids), spec(ids)
+        st, at = s.stats, a.stats
+        cycle_tokens += st.cycle_tokens
+        verify_steps += st.verify_steps
+        _add(accepted_pos, st.accepted_by_position)
+        _add(drafted_pos, st.drafted_by_position)
+        result = {
+            "acceptance_length": st.acceptance_length,
+            "spec_decode_tps": st.decode_tps,
+            "ar_decode_tps": at.decode_tps,
+            "speedup": _safe_ratio(st.decode_tps, at.decode_tps),
+            "identical": (s.tokens == a.tokens) if greedy else None,
+        }
+        detail = {
+            "prompt": label(line),
+            "prompt_tokens": st.prompt_tokens,
+            "generation_tokens": st.generation_tokens,
+            "ar_generation_tokens": at.generation_tokens,
+            "verify_steps": st.verify_steps,
+            "acceptance_by_position": st.acceptance_by_position,
+            "first_difference": None,
+        }
+        if greedy and not result["identical"]:
+            detail["first_difference"] = next(
+                (k for k, (x, y) in enumerate(zip(s.tokens, a.tokens)) if x != y), min(len(s.tokens), len(a.tokens)))
+        results.append(result)
+        details.append(detail)
+        if on_prompt is not None:
+            on_prompt(i, {**result, **detail})
+    n = len(results)
+    spec_tps = sum(r["spec_decode_tps"] for r in results) / n if n else 0.0
+    ar_tps = sum(r["ar_decode_tps"] for r in results) / n if n else 0.0
+    mean = {
+        "acceptance_length": cycle_tokens / verify_steps if verify_steps else 1.0,
+        "spec_decode_tps": spec_tps,
+        "ar_decode_tps": ar_tps,
+        "speedup": _safe_ratio(spec_tps, ar_tps),
+    }
+    return BenchResult(
+        {"mean": mean, "prompts": results},
+        details,
+        [x / d if d else 0.0 for x, d in zip(accepted_pos, drafted_pos)],
+        verify_steps,
+    )
+
+
+@dataclass
+class BenchResult:
+    contract: dict  # exactly {"mean": {...}, "prompts": [...]} (what --json prints)
+    details: list[dict]  # per prompt: its preview, token counts, acceptance by position
+    acceptance_by_position: list[float]  # over all prompts
+    verify_steps: int
+
+
+def _add(total: list[int], more: Sequence[int]) -> None:
+    for i, v in enumerate(more):
+        if i < len(total):
+            total[i] += v
+        else:
+            total.append(v)
+
+
+def plot(result: "BenchResult", path: str | Path, title: str = "") -> None:
+    """Throughput per prompt (speculative vs autoregressive) and acceptance by draft position."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    prompts = result.contract["prompts"]
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(12, 4.5), gridspec_kw={"width_ratios": [2, 1]})
+    xs = range(len(prompts))
+    width = 0.4
+    ax1.bar([x - width / 2 for x in xs], [p["spec_decode_tps"] for p in prompts], width, label="DFlash 2")
+    ax1.bar([x + width / 2 for x in xs], [p["ar_decode_tps"] for p in prompts], width, label="autoregressive")
+    ax1.set_xticks(list(xs), [str(i + 1) for i in xs])
+    ax1.set_xlabel("prompt")
+    ax1.set_ylabel("decode tok/s")
+    mean = result.contract["mean"]
+    speed = f"{mean['speedup']:.2f}x" if mean["speedup"] else "n/a"
+    ax1.set_title(f"speedup {speed}, acceptance length {mean['acceptance_length']:.2f}")
+    ax1.legend()
+    by_pos = result.acceptance_by_position
+    ax2.bar(range(1, len(by_pos) + 1), [100 * v for v in by_pos], color="tab:green")
+    ax2.set_xlabel("draft position")
+    ax2.set_ylabel("accepted %")
+    ax2.set_ylim(0, 100)
+    ax2.set_title("acceptance by position")
+    if title:
+        fig.suptitle(title)
+    fig.tight_layout()
+    fig.savefig(str(path), dpi=120)
+    plt.close(fig)

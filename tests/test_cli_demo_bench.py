@@ -1,0 +1,178 @@
+"""`dflash2-mlx demo` through a pseudo-terminal and `dflash2-mlx bench`'s JSON contract."""
+
+from __future__ import annotations
+
+import html
+import json
+import os
+import re
+import subprocess
+import sys
+
+import pytest
+
+ANSI = re.compile(r"\x1b\[[0-9;?]*[A-Za-z]")
+
+
+def svg_text(path) -> str:
+    """The visible text of a rich SVG export (its <text> runs, non-breaking spaces as spaces)."""
+    runs = re.findall(r"<text[^>]*>([^<]*)</text>", path.read_text())
+    return html.unescape("".join(runs)).replace("\xa0", " ")
+
+
+def test_demo_side_by_side_in_a_terminal_and_export(tiny_checkpoints, tmp_path):
+    pexpect = pytest.importorskip("pexpect")
+    target, drafter = tiny_checkpoints
+    svg = tmp_path / "demo.svg"
+    env = dict(os.environ, TERM="xterm", COLUMNS="120", LINES="40")
+    child = pexpect.spawn(
+        sys.executable,
+        ["-m", "dflash2_mlx", "demo", "--model", str(target), "--draft-model", str(drafter), "--prompt", "hello",
+         "--max-tokens", "40", "--block-size", "4", "--height", "6", "--export", str(svg)],
+        env=env, encoding="utf-8", timeout=120, dimensions=(40, 120))
+    try:
+        child.expect(pexpect.EOF)
+    finally:
+        child.close(force=True)
+    screen = ANSI.sub("", child.before)
+    assert child.exitstatus == 0, screen
+    assert "measured: DFlash 2 40 tokens" in screen and "autoregressive 40 tokens" in screen
+    assert "DFlash 2 (speculative)" in screen and "Autoregressive" in screen
+    assert re.search(r"speedup [\d.]+x", screen) and "outputs identical: yes" in screen
+    text = svg_text(svg)
+    assert "DFlash 2 (speculative)" in text and "Autoregressive" in text  # both panels
+    assert re.search(r"40 tokens · [\d.]+ tok/s · [\d.]+ s", text)
+    assert re.search(r"speedup [\d.]+x +DFlash 2 [\d.]+ tok/s vs autoregressive [\d.]+ tok/s", text)
+    assert re.search(r"acceptance length [\d.]+ tokens per verify cycle", text)
+    assert "acceptance by draft position" in text and text.count("%") >= 3  # one bar per position (block 4)
+
+
+def test_bench_json_contract(tiny_checkpoints, tmp_path):
+    target, drafter = tiny_checkpoints
+    prompts = tmp_path / "p.jsonl"
+    lines = [
+        {"prompt": "def f(x):"},
+        {"messages": [{"role": "user", "content": "hello there"}]},
+        {"prompt": "The cat sat"},
+    ]
+    prompts.write_text("\n".join(json.dumps(l) for l in lines) + "\n\n")
+    png = tmp_path / "bench.png"
+    r = subprocess.run(
+        [sys.executable, "-m", "dflash2_mlx", "bench", "--model", str(target), "--draft-model", str(drafter),
+         "--prompts", str(prompts), "--max-tokens", "12", "--json", "--plot", str(png), "--block-size", "4"],
+        capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    out = json.loads(r.stdout)  # exactly one JSON object on stdout
+    assert set(out) == {"mean", "prompts"}
+    mean, per = out["mean"], out["prompts"]
+    assert set(mean) == {"acceptance_length", "spec_decode_tps", "ar_decode_tps", "speedup"}
+    assert len(per) == 3
+    for p in per:
+        assert set(p) == set(mean) | {"identical"}
+        assert p["identical"] is True  # temperature 0: speculative == autoregressive
+        assert p["speedup"] == pytest.approx(p["spec_decode_tps"] / p["ar_decode_tps"])
+        assert 1.0 <= p["acceptance_length"] <= 4
+    assert mean["spec_decode_tps"] == pytest.approx(sum(p["spec_decode_tps"] for p in per) / 3)
+    assert mean["ar_decode_tps"] == pytest.approx(sum(p["ar_decode_tps"] for p in per) / 3)
+    assert mean["speedup"] == pytest.approx(mean["spec_decode_tps"] / mean["ar_decode_tps"])
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_bench_library_order_templates_and_pooled_acceptance(tiny_checkpoints):
+    """In process: prompts run in file order, messages lines go through the chat template, the
+    mean acceptance length pools cycles, and `identical` is null when sampling."""
+    from dflash2_mlx import bench
+    from dflash2_mlx.cli.common import encode_line
+    from dflash2_mlx.engine import GenerationSettings
+    from dflash2_mlx.loading import load_drafter, load_target
+    from dflash2_mlx.sampling import SamplingSettings
+
+    target_dir, drafter_dir = tiny_checkpoints
+    target, drafter = load_target(str(target_dir)), load_drafter(str(drafter_dir))
+    tok = target.tokenizer
+    lines = [{"prompt": "a"}, {"messages": [{"role": "user", "content": "bb"}]}, {"prompt": "ccc dd"}]
+    seen = []
+
+    def encode(line):
+        ids = encode_line(tok, line)
+        seen.append(ids)
+        return ids
+
+    order = []
+    settings = GenerationSettings(max_tokens=10, block_size=4, stop_token_ids=sorted(tok.eos_token_ids))
+    res = bench.run_bench(target, drafter, lines, settings, encode, on_prompt=lambda i, r: order.append((i, r["prompt"])))
+    assert order == [(0, "a"), (1, "bb"), (2, "ccc dd")]
+    templated = tok.apply_chat_template(lines[1]["messages"], add_generation_prompt=True, tokenize=True)
+    assert seen[1] == list(templated) and [d["prompt_tokens"] for d in res.details] == [len(s) for s in seen]
+    assert seen[0] == tok.encode("a")  # a "prompt" line is fed as is
+    cycles = sum(d["verify_steps"] for d in res.details)
+    tokens = sum(d["generation_tokens"] - 1 for d in res.details)  # all but each prefill token
+    assert res.contract["mean"]["acceptance_length"] == pytest.approx(tokens / cycles)
+    sampled = replace_settings(settings, sampling=SamplingSettings(temperature=1.0), seed=3)
+    res = bench.run_bench(target, drafter, lines[:1], sampled, encode, warmup=False)
+    assert res.contract["prompts"][0]["identical"] is None
+
+
+def replace_settings(settings, **kw):
+    from dataclasses import replace
+
+    return replace(settings, **kw)
+
+
+def test_prompt_file_errors_are_one_line(tiny_checkpoints, tmp_path, capsys, monkeypatch):
+    from dflash2_mlx.cli.app import main
+
+    target, drafter = tiny_checkpoints
+
+    def run(*args):
+        monkeypatch.setattr(sys, "argv", ["dflash2-mlx", *args])
+        with pytest.raises(SystemExit) as e:
+            main()
+        err = capsys.readouterr().err
+        lines = [l for l in err.strip().splitlines() if l.strip()]
+        assert e.value.code != 0 and len(lines) == 1 and lines[0].startswith("error:"), err
+        return lines[0]
+
+    base = ["bench", "--model", str(target), "--draft-model", str(drafter), "--prompts"]
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"prompt": "ok"}\n{"prompt": \n')
+    assert "bad.jsonl:2" in run(*base, str(bad))
+    bad.write_text('{"text": "x"}\n')
+    assert '"prompt" or "messages"' in run(*base, str(bad))
+    assert "does not exist" in run(*base, str(tmp_path / "missing.jsonl"))
+    assert "block-size" in run(*base[:-1], "--block-size", "99")
+    assert ".png" in run(*base[:-1], "--plot", str(tmp_path / "x.jpg"))
+    assert "--export" in run("demo", "--model", str(target), "--draft-model", str(drafter), "--export", "x.txt")
+    assert "--draft-model" in run("demo", "--model", str(target))
+
+
+def test_presets_and_embedded_defaults(monkeypatch, capsys):
+    from dflash2_mlx.cli import common
+    from dflash2_mlx.presets import PRESETS, get_preset
+
+    p = get_preset("Qwen3.8-27B")
+    assert p.target and p.drafter and 14 <= p.target_gb <= 16 and 2 <= p.drafter_gb <= 4
+    assert "GB" in p.memory_line()
+    choice = common.choose_models(None, None, "qwen3.8-27b")
+    assert (choice.target, choice.drafter) == (p.target, p.drafter)
+    # Without the embedded pair, a command with no --model asks for one in one line.
+    monkeypatch.setattr(common, "embedded_pair", lambda: None)
+    with pytest.raises(common.UserError, match="embedded demo pair is not installed"):
+        common.choose_models(None, None, None)
+    assert set(PRESETS) >= {"qwen3.8-27b"}
+
+
+def test_demo_and_doctor_on_the_embedded_pair():
+    from dflash2_mlx.cli.common import embedded_pair
+
+    r = subprocess.run([sys.executable, "-m", "dflash2_mlx", "doctor"], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    line = next(l for l in r.stdout.splitlines() if l.startswith("self-test"))
+    if embedded_pair() is None:
+        assert "skipped" in line and "not installed" in line
+        return
+    assert "lossless" in line and "acceptance length" in line
+    r = subprocess.run([sys.executable, "-m", "dflash2_mlx", "demo", "--max-tokens", "32", "--replay-speed", "100"],
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    assert "speedup" in r.stdout and "outputs identical: yes" in r.stdout
