@@ -311,6 +311,8 @@ def generate_autoregressive(
         history.append(t)
         event = out.add([t], logprobs=logprobs)
         if out.finished:
+            if prefix_cache is not None:  # the cache covers every token but the last
+                prefix_cache.store(PrefixEntry(tuple(history[:-1]), cache.snapshot(), None, None))
             yield out.finish(event)
             return
         yield event
@@ -419,6 +421,11 @@ def generate_speculative(
         for i in range(bs - 1):
             stats.drafted_by_position[i] += 1
             stats.accepted_by_position[i] += int(i < accepted)
+    if prefix_cache is not None:
+        # The next chat turn starts with this prompt and answer: keep the caches as they are now.
+        # They cover every committed token but the last (the anchor), whatever clipping showed.
+        drafter.absorb(new_features, context)
+        prefix_cache.store(PrefixEntry(tuple(committed[:-1]), cache.snapshot(), context.copy(), None))
     yield out.finish(event)
 
 

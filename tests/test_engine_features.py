@@ -45,12 +45,22 @@ def test_a_later_turn_prefills_only_its_new_tokens(pair, speculative):
     assert last1.stats.cached_tokens == 0
     turn2 = turn1 + out1 + [40, 41, 42]
     out2, last2 = gen(turn2, cache)
-    assert last2.stats.cached_tokens == len(turn1)  # only the answer and the new message prefilled
+    # the end-of-answer snapshot covers turn 1 and all of its answer but the last token
+    assert last2.stats.cached_tokens == len(turn1) + len(out1) - 1
     assert out2 == gen(turn2)[0]  # identical to a run without the cache
+    # and again one turn later
+    turn3 = turn2 + out2 + [50, 51]
+    out4, last5 = gen(turn3, cache)
+    assert last5.stats.cached_tokens == len(turn2) + len(out2) - 1
+    assert out4 == gen(turn3)[0]
     # an edited later message still reuses the snapshot at the boundary
     edited = turn1[:boundary] + [99, 98, 97]
     out3, last3 = gen(edited, cache)
     assert last3.stats.cached_tokens == boundary and out3 == gen(edited)[0]
+    # a turn whose answer was re-tokenized differently still reuses the end of its prompt
+    retyped = turn1 + [out1[0] + 1] + [40, 41]
+    out5, last6 = gen(retyped, cache)
+    assert last6.stats.cached_tokens == len(turn1) and out5 == gen(retyped)[0]
     # the very same prompt again: nothing to prefill, same answer
     again, last4 = gen(turn1, cache)
     assert last4.stats.cached_tokens == len(turn1) and again == out1
@@ -73,14 +83,15 @@ def test_prefix_cache_stays_under_its_byte_budget(pair):
     _run(generate_speculative(runner, drafter, [1, 2, 3, 4], GenerationSettings(max_tokens=4), prefix_cache=cache))
     assert len(cache) == 0 and cache.nbytes == 0
     roomy = PrefixCache(max_bytes=10**9)
-    for start in range(5):
-        _run(generate_speculative(runner, drafter, [start, 2, 3, 4], GenerationSettings(max_tokens=4), prefix_cache=roomy))
-    one = roomy._entries[next(iter(roomy._entries))].nbytes
-    small = PrefixCache(max_bytes=int(2.5 * one))
+    _run(generate_speculative(runner, drafter, [0, 2, 3, 4], GenerationSettings(max_tokens=4), prefix_cache=roomy))
+    per_request = roomy.nbytes
+    small = PrefixCache(max_bytes=int(2.5 * per_request))
     for start in range(5):
         _run(generate_speculative(runner, drafter, [start, 2, 3, 4], GenerationSettings(max_tokens=4), prefix_cache=small))
-    assert len(small) == 2 and small.nbytes <= small.max_bytes
-    assert [k[0] for k in small._entries] == [3, 4]  # least recently used went first
+        assert small.nbytes <= small.max_bytes
+    firsts = [k[0] for k in small._entries]
+    assert 0 not in firsts and firsts[-1] == 4  # least recently used went first
+    assert small.nbytes == sum(e.nbytes for e in small._entries.values())
 
 
 @pytest.mark.parametrize("speculative", [True, False])
