@@ -1,0 +1,156 @@
+"""`dflash2-mlx serve`: the OpenAI- and Anthropic-compatible local server."""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import signal
+import socket
+import sys
+import threading
+from typing import List, Optional
+
+import typer
+
+
+def serve_command(
+    model: Optional[str] = typer.Option(None, "--model", "-m", help="Target model: local directory or Hugging Face repo id. Default: the embedded tiny demo pair, when installed."),
+    draft_model: Optional[str] = typer.Option(None, "--draft-model", "-d", help="DFlash / DFlash 2 drafter for the target: directory or repo id."),
+    host: str = typer.Option("127.0.0.1", "--host", help="Address to listen on (loopback by default; 0.0.0.0 exposes the server to the network)."),
+    port: int = typer.Option(8080, "--port", help="TCP port (0: any free port)."),
+    api_key: Optional[str] = typer.Option(None, "--api-key", envvar="DFLASH2_API_KEY", help="Require this key: 'Authorization: Bearer KEY' (OpenAI routes) or 'x-api-key: KEY' (/v1/messages)."),
+    allowed_origins: List[str] = typer.Option([], "--allowed-origins", help="Enable CORS for these browser origins (repeatable or comma-separated; '*' for any). Off by default."),
+    max_queue: int = typer.Option(64, "--max-queue", help="Requests that may wait for the generation worker; more get 429 with Retry-After."),
+    max_context: Optional[int] = typer.Option(None, "--max-context", help="Refuse prompts of this many tokens or more (default: the model's context)."),
+    served_model_name: List[str] = typer.Option([], "--served-model-name", help="Extra model name(s) clients may use (repeatable); listed by /v1/models."),
+    no_draft: bool = typer.Option(False, "--no-draft", help="Serve with plain autoregressive decoding (no drafter)."),
+    prefix_cache_gb: float = typer.Option(2.0, "--prefix-cache-gb", help="Memory for prompt-prefix cache snapshots, in GB (0 disables)."),
+    request_timeout: float = typer.Option(600.0, "--request-timeout", help="Seconds a request may take, queue wait included; a generation still running is cut short (finish_reason 'length')."),
+    default_max_tokens: int = typer.Option(4096, "--default-max-tokens", help="max_tokens for requests that give none."),
+    log_level: str = typer.Option("info", "--log-level", help="critical, error, warning, info or debug."),
+) -> None:
+    """Serve the model over HTTP: OpenAI (/v1/chat/completions, /v1/completions, /v1/models) and
+    Anthropic (/v1/messages) APIs, plus /health and /metrics."""
+    from .common import choose_models, fail
+
+    for name, value, low in (("--max-queue", max_queue, 1), ("--default-max-tokens", default_max_tokens, 1),
+                             ("--max-context", max_context, 2)):
+        if value is not None and value < low:
+            fail(f"{name} must be at least {low}, got {value}")
+    if not 0 <= port <= 65535:
+        fail(f"--port must be in 0..65535, got {port}")
+    if prefix_cache_gb < 0:
+        fail(f"--prefix-cache-gb must be >= 0, got {prefix_cache_gb}")
+    if request_timeout <= 0:
+        fail(f"--request-timeout must be > 0, got {request_timeout}")
+    levels = {"critical", "error", "warning", "info", "debug"}
+    if log_level.lower() not in levels:
+        fail(f"--log-level must be one of {sorted(levels)}, got {log_level}")
+    if api_key is not None and not api_key.strip():
+        fail("--api-key is empty")
+    origins = [o.strip() for item in allowed_origins for o in item.split(",") if o.strip()]
+    choice = choose_models(model, draft_model, None, need_draft=not no_draft)
+    _check_local_paths(choice)
+
+    try:
+        import uvicorn
+
+        from dflash2_mlx.server import ServerConfig, create_app
+        from dflash2_mlx.server.app import model_name_for
+        from dflash2_mlx.server.worker import Worker
+    except ImportError as e:
+        fail(f"`serve` needs FastAPI and uvicorn ({e}); install them with `pip install fastapi uvicorn`")
+
+    logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+                        stream=sys.stderr)
+    sock = _bind(host, port, fail)
+    bound_port = sock.getsockname()[1]
+    config = ServerConfig(
+        model=choice.target, draft_model=choice.drafter, api_key=api_key, allowed_origins=origins,
+        max_queue=max_queue, max_context=max_context, served_model_names=served_model_name,
+        prefix_cache_gb=prefix_cache_gb, request_timeout=request_timeout, default_max_tokens=default_max_tokens,
+        model_name=model_name_for(choice.target),
+    )
+    worker = Worker(config.model, config.draft_model, max_queue=max_queue, max_context=max_context,
+                    prefix_cache_bytes=int(prefix_cache_gb * 2**30))
+    app = create_app(config, worker)
+    server = _Server(uvicorn.Config(app, log_level=log_level.lower(), timeout_graceful_shutdown=15,
+                                    timeout_keep_alive=30, lifespan="on"), worker)
+
+    def fatal(message: str) -> None:
+        server.should_exit = True
+
+    worker.on_fatal = fatal
+    shown = f"[{host}]" if ":" in host else host
+    typer.echo(f"dflash2-mlx: serving {config.model_name} ({'no drafter' if choice.drafter is None else 'speculative'}) "
+               f"at http://{shown}:{bound_port}/v1 (loading the model; /health answers 200 when ready)", err=True)
+    server.run(sockets=[sock])
+    if worker.error:
+        from dflash2_mlx.loading import LoadError
+
+        raise LoadError(worker.error)
+
+
+def _check_local_paths(choice) -> None:
+    """Refuse a missing local directory at once (repo ids are resolved, and downloaded, by the worker)."""
+    from dflash2_mlx.loading import resolve
+    from pathlib import Path
+
+    for spec, what in ((choice.target, "model"), (choice.drafter, "draft model")):
+        if spec is None:
+            continue
+        if Path(spec).expanduser().exists() or spec.startswith((".", "/", "~")) or spec.count("/") != 1:
+            resolve(spec, what)  # raises LoadError with one line
+
+
+def _bind(host: str, port: int, fail) -> socket.socket:
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError as e:
+        sock.close()
+        reason = e.strerror or str(e)
+        hint = "another process uses the port; pass --port" if e.errno in (98, 48) else "check --host"
+        fail(f"cannot listen on {host}:{port}: {reason} ({hint})")
+    sock.listen(128)
+    sock.set_inheritable(True)
+    return sock
+
+
+def _server_class():
+    import uvicorn
+
+    class Server(uvicorn.Server):
+        """uvicorn's server; a first SIGINT/SIGTERM stops the worker (queued requests get 503, the
+        running generation is cancelled and its stream ends normally), then uvicorn drains the
+        connections. The process exits 0 instead of re-raising the signal."""
+
+        def __init__(self, config, worker):
+            super().__init__(config)
+            self.worker = worker
+
+        def handle_exit(self, sig, frame):
+            if not self.should_exit:
+                threading.Thread(target=self.worker.shutdown, name="dflash2-shutdown", daemon=True).start()
+            super().handle_exit(sig, frame)
+
+        @contextlib.contextmanager
+        def capture_signals(self):
+            if threading.current_thread() is not threading.main_thread():
+                yield
+                return
+            sigs = [signal.SIGINT, signal.SIGTERM] + ([signal.SIGBREAK] if hasattr(signal, "SIGBREAK") else [])
+            original = {s: signal.signal(s, self.handle_exit) for s in sigs}
+            try:
+                yield
+            finally:
+                for s, handler in original.items():
+                    signal.signal(s, handler)
+
+    return Server
+
+
+def _Server(config, worker):
+    return _server_class()(config, worker)

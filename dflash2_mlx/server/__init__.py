@@ -1,0 +1,12 @@
+"""OpenAI- and Anthropic-compatible HTTP server over one generation worker (``dflash2-mlx serve``).
+
+Modules: ``app`` (routes, auth, limits), ``worker`` (the thread that owns the model, the queue,
+cancellation, the prefix cache), ``openai_api`` / ``anthropic_api`` (request conversion and
+response shapes), ``chat`` (prompt rendering, reasoning and tool-call parsing), ``stream`` (one
+request's lifecycle: waiting, streaming, disconnects, timeouts), ``params`` (sampling parameters ->
+engine settings), ``json_constraint`` (JSON mode), ``schemas``, ``errors``, ``metrics``.
+"""
+
+from .app import ServerConfig, create_app
+
+__all__ = ["ServerConfig", "create_app"]
