@@ -1,0 +1,10 @@
+"""Training code for the embedded tiny demo pair (``python -m dflash2_mlx.training.build_demo_pair``).
+
+- ``corpus``: the Python standard library's own source as a deterministic train / held-out split.
+- ``tokenizer``: a byte-level BPE tokenizer with a ChatML template, in the Hugging Face layout.
+- ``target_trainer``: the tiny Qwen3.5-architecture hybrid target (mlx-lm ``qwen3_5``).
+- ``data`` / ``drafter_trainer``: the DFlash 2 drafter trained on the target's own continuations.
+- ``build_demo_pair``: the one command that rebuilds ``dflash2_mlx/assets/`` from scratch.
+
+None of this is needed at run time; importing ``dflash2_mlx`` does not import it.
+"""
