@@ -180,39 +180,22 @@ def _self_test(max_tokens: int = 48) -> tuple[bool, str]:
 
 
 def _register() -> None:
-    """The commands that live in their own modules; optional ones only when their module exists."""
-    import importlib
-
+    """The commands that live in their own modules (imported here so `--help` lists them)."""
     from .bench import bench_command
     from .chat import chat_command
     from .convert import convert_command
     from .demo import demo_command
     from .download import download_command
+    from .serve import serve_command
+    from .train import train_drafter_command
 
     app.command("chat")(chat_command)
     app.command("demo")(demo_command)
     app.command("bench")(bench_command)
+    app.command("serve")(serve_command)
     app.command("convert")(convert_command)
     app.command("download")(download_command)
-    for module, attr, name in (("train", "train_drafter_command", "train-drafter"), ("serve", "serve_command", "serve")):
-        qualified = f"{__package__}.{module}"
-        try:
-            command = getattr(importlib.import_module(qualified), attr)
-        except ModuleNotFoundError as e:
-            if e.name == qualified:
-                continue  # not written yet
-            command = _missing_dependency(name, e)
-        except (ImportError, AttributeError) as e:
-            command = _missing_dependency(name, e)
-        app.command(name)(command)
-
-
-def _missing_dependency(name: str, error: Exception):
-    def command() -> None:
-        _fail(f"`{name}` is unavailable: {error}")
-
-    command.__doc__ = f"(unavailable here: {error})"
-    return command
+    app.command("train-drafter")(train_drafter_command)
 
 
 _register()
