@@ -1,6 +1,7 @@
 import sys
 from pathlib import Path
 
+import dflash2_mlx  # noqa: F401  (first: loads OpenBLAS before mlx.core, as users get it)
 import mlx.core as mx
 import pytest
 

@@ -1,0 +1,59 @@
+"""The embedded tiny demo pair: a code-completion target and its DFlash 2 drafter.
+
+A small Qwen3.5-architecture hybrid (Gated DeltaNet + gated attention layers, mlx-lm
+``qwen3_5``) trained on the Python standard library's own source, and a DFlash 2 drafter trained
+on that target's own greedy output, both built by ``python -m dflash2_mlx.training.build_demo_pair``.
+They make every command work in seconds with no download and exercise the same code paths
+(hybrid rollback, selector, convolutions) as the real Qwen3.8-27B pair. They are NOT a useful
+language model: they only continue Python code, often wrongly. See ``MANIFEST.json`` and
+``docs/embedded-pair.md``.
+"""
+
+from __future__ import annotations
+
+import json
+from importlib import resources
+from pathlib import Path
+
+DEMO_NAME = "tiny-code-demo"
+DEMO_TARGET_DIR = "tiny-code-demo-target"
+DEMO_DRAFTER_DIR = "tiny-code-demo-drafter"
+PROMPTS_FILE = "prompts.jsonl"
+MANIFEST_FILE = "MANIFEST.json"
+REBUILD = "python -m dflash2_mlx.training.build_demo_pair"
+
+
+def assets_dir() -> Path:
+    """The installed ``dflash2_mlx/assets`` directory (a real directory: wheels install unzipped)."""
+    return Path(str(resources.files(__name__)))
+
+
+def _existing(name: str, what: str) -> Path:
+    path = assets_dir() / name
+    if not path.exists():
+        raise FileNotFoundError(
+            f"the embedded demo {what} is not in this installation ({path} is missing); "
+            f"rebuild it with `{REBUILD}` or pass --model/--draft-model"
+        )
+    return path
+
+
+def demo_target_path() -> Path:
+    """Directory of the tiny demo target (Hugging Face layout mlx-lm loads)."""
+    return _existing(DEMO_TARGET_DIR, "target")
+
+
+def demo_drafter_path() -> Path:
+    """Directory of the tiny demo DFlash 2 drafter (config.json + model.safetensors)."""
+    return _existing(DEMO_DRAFTER_DIR, "drafter")
+
+
+def demo_prompts() -> list[str]:
+    """The demo / bench prompts: raw Python prefixes from held-out stdlib files, fed as is."""
+    lines = _existing(PROMPTS_FILE, "prompt set").read_text(encoding="utf-8").splitlines()
+    return [json.loads(line)["prompt"] for line in lines if line.strip()]
+
+
+def manifest() -> dict:
+    """The build record: corpus, seeds, configs, file sha256s and measured results."""
+    return json.loads(_existing(MANIFEST_FILE, "manifest").read_text(encoding="utf-8"))
