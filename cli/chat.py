@@ -449,10 +449,9 @@ class ChatSession:
                 return "\n".join(lines)
 
     def run(self) -> None:
-        try:
-            import readline  # noqa: F401  (line editing and history for input())
-        except ImportError:
-            pass
+        # No GNU readline: with it, Ctrl-C at the prompt after an interrupted answer left the
+        # terminal raw and unread about one time in five (reproduced with pexpect; the process
+        # sat idle in input()). The terminal's own line editing (backspace, ^U) still works.
         while True:
             text = self.read_message()
             if text is None:

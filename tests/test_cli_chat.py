@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import time
 import sys
 from pathlib import Path
 
@@ -115,12 +116,15 @@ def test_ctrl_c_stops_the_answer_and_the_chat_goes_on(tiny_checkpoints):
         generated = int(child.match.group(1))
         assert 0 < generated < 100000
         child.expect_exact(">>> ")
-        # Ctrl-C at the prompt clears the input instead of leaving
+        # Ctrl-C at the prompt clears the input instead of leaving. Type after a human pause:
+        # readline flushes input that arrives while it is still setting up the terminal.
+        time.sleep(0.5)
         child.send("half a line")
         child.sendintr()
         child.expect_exact("input cleared")
         child.expect_exact(">>> ")
         # the chat accepts the next message, and it extends the interrupted conversation
+        time.sleep(0.5)
         child.sendline("again")
         child.expect_exact("again")
         child.expect(r"\S", timeout=60)
