@@ -15,13 +15,6 @@ from dflash2_mlx.target import TargetRunner
 BLOCK = 8
 
 
-def _feed_one_by_one(runner, tokens):
-    cache = runner.make_cache()
-    for t in tokens:
-        runner(mx.array([[t]]), cache)
-    return cache
-
-
 def _assert_caches_equal(got, want, atol=1e-5):
     assert got.offset == want.offset
     for i, (kind, a, b) in enumerate(zip(got.kinds, got.layers, want.layers)):
@@ -48,8 +41,12 @@ def test_rollback_after_a_verify_pass_matches_plain_feeding(kind, accepted, hybr
     runner(mx.array([block]), cache, record=recorded)
     assert len(recorded) == runner.kinds.count("gdn")
     cache.rollback(recorded, fed=BLOCK, keep=accepted + 1)
-    committed = prompt + block[: accepted + 1]
-    reference = _feed_one_by_one(runner, committed)
+    # the reference gets the prompt the same way, then the committed block tokens one by one,
+    # as plain decoding would have fed them
+    reference = runner.make_cache()
+    runner(mx.array([prompt]), reference)
+    for t in block[: accepted + 1]:
+        runner(mx.array([[t]]), reference)
     _assert_caches_equal(cache, reference)
     # and the future is the same: the next token's logits agree
     nxt = mx.array([[17]])
