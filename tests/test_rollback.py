@@ -9,7 +9,6 @@ import numpy as np
 import pytest
 
 import tiny
-from dflash2_mlx.drafter import ContextCache
 from dflash2_mlx.target import TargetRunner
 
 BLOCK = 8
