@@ -37,6 +37,21 @@ def _text_stack(model: nn.Module) -> tuple[nn.Module, nn.Module]:
     return outer, inner
 
 
+def gated_delta_qkv(gdn: nn.Module, conv_out: mx.array) -> tuple[mx.array, mx.array, mx.array]:
+    """q, k (normalized as mlx-lm does) and v per head from a GatedDeltaNet's conv output."""
+    B, S, _ = conv_out.shape
+    q, k, v = [
+        t.reshape(B, S, h, d)
+        for t, h, d in zip(
+            mx.split(conv_out, [gdn.key_dim, 2 * gdn.key_dim], -1),
+            [gdn.num_k_heads, gdn.num_k_heads, gdn.num_v_heads],
+            [gdn.head_k_dim, gdn.head_k_dim, gdn.head_v_dim],
+        )
+    ]
+    q, k = normalize_qk(q, k, inv_scale=gdn.head_k_dim**-0.5, eps=1e-6)
+    return q, k, v
+
+
 class TargetRunner:
     """One forward over a token block -> logits for chosen rows + features at tapped layers."""
 
@@ -130,16 +145,8 @@ class TargetRunner:
         conv_input = mx.concatenate([conv_state, qkv], axis=1)
         cache[0] = mx.contiguous(conv_input[:, -(gdn.conv_kernel_size - 1):, :])
         conv_out = nn.silu(gdn.conv1d(conv_input))
-        q, k, v = [
-            t.reshape(B, S, h, d)
-            for t, h, d in zip(
-                mx.split(conv_out, [gdn.key_dim, 2 * gdn.key_dim], -1),
-                [gdn.num_k_heads, gdn.num_k_heads, gdn.num_v_heads],
-                [gdn.head_k_dim, gdn.head_k_dim, gdn.head_v_dim],
-            )
-        ]
+        q, k, v = gated_delta_qkv(gdn, conv_out)
         state = cache[1]
-        q, k = normalize_qk(q, k, inv_scale=gdn.head_k_dim**-0.5, eps=1e-6)
         out, new_state = gated_delta_update(
             q, k, v, a, b, gdn.A_log, gdn.dt_bias, state, None, use_kernel=not gdn.training
         )

@@ -209,7 +209,7 @@ def chunked_gated_delta(q, k, v, log_g, beta, chunk: int = 32):
 
 def _gated_delta_net_train(gdn: nn.Module, x: mx.array, chunk: int) -> mx.array:
     """``qwen3_5.GatedDeltaNet.__call__`` without a cache, with the chunked recurrence."""
-    from mlx_lm.models.gated_delta import normalize_qk
+    from ..target import gated_delta_qkv
 
     B, S, _ = x.shape
     qkv = gdn.in_proj_qkv(x)
@@ -218,15 +218,7 @@ def _gated_delta_net_train(gdn: nn.Module, x: mx.array, chunk: int) -> mx.array:
     a = gdn.in_proj_a(x)
     conv_input = mx.concatenate([mx.zeros((B, gdn.conv_kernel_size - 1, gdn.conv_dim), dtype=x.dtype), qkv], axis=1)
     conv_out = nn.silu(gdn.conv1d(conv_input))
-    q, k, v = [
-        t.reshape(B, S, h, d)
-        for t, h, d in zip(
-            mx.split(conv_out, [gdn.key_dim, 2 * gdn.key_dim], -1),
-            [gdn.num_k_heads, gdn.num_k_heads, gdn.num_v_heads],
-            [gdn.head_k_dim, gdn.head_k_dim, gdn.head_v_dim],
-        )
-    ]
-    q, k = normalize_qk(q, k, inv_scale=gdn.head_k_dim**-0.5, eps=1e-6)
+    q, k, v = gated_delta_qkv(gdn, conv_out)
     beta = mx.sigmoid(b)
     log_g = -mx.exp(gdn.A_log.astype(mx.float32)) * nn.softplus(a + gdn.dt_bias)
     out = chunked_gated_delta(q, k, v, log_g, beta, chunk)
