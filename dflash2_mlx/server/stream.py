@@ -10,6 +10,7 @@ as an error event, then the stream ends.
 
 from __future__ import annotations
 
+import abc
 import asyncio
 import json
 import logging
@@ -60,6 +61,9 @@ class Accumulator:
                 deltas += self.parser.finish()
         else:
             deltas = [Delta("content", event.text)] if event.text else []
+        return self._keep(deltas)
+
+    def _keep(self, deltas: list[Delta]) -> list[Delta]:
         for d in deltas:
             if d.kind == "content":
                 self.content += d.text
@@ -75,14 +79,7 @@ class Accumulator:
         if self.parser is None:
             return []
         deltas = self.parser.finish()
-        for d in deltas:
-            if d.kind == "content":
-                self.content += d.text
-            elif d.kind == "reasoning":
-                self.reasoning += d.text
-            else:
-                self.tool_calls.append(d.tool_call)
-        return deltas
+        return self._keep(deltas)
 
     @property
     def finish_reason(self) -> str:
@@ -126,7 +123,7 @@ class Accumulator:
         return self.tokenizer.decode([token])
 
 
-class Formatter:
+class Formatter(abc.ABC):
     """How one API shapes a job's output; ``acc`` is the job's Accumulator."""
 
     acc: Accumulator
@@ -144,8 +141,9 @@ class Formatter:
         return [sse({"error": {"message": err.message, "type": err.type, "param": err.param, "code": err.code}}),
                 b"data: [DONE]\n\n"]
 
+    @abc.abstractmethod
     def body(self) -> dict:
-        raise NotImplementedError
+        """The non-streaming response body, in the API's own shape."""
 
 
 def sse(obj: Any, event: Optional[str] = None) -> bytes:
