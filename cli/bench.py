@@ -37,6 +37,9 @@ def bench_command(
     limit: Optional[int] = typer.Option(None, "--limit", help="Only the first N prompts."),
     as_json: bool = typer.Option(False, "--json", help='Print one JSON object {"mean": {...}, "prompts": [...]} on stdout.'),
     plot: Optional[Path] = typer.Option(None, "--plot", help="Save a PNG chart (needs the `plot` extra: pip install 'dflash2-mlx\\[plot]')."),
+    profile: bool = typer.Option(False, "--profile", help="Then decode the prompts once more with a host sync after every phase and "
+                                 "report where a cycle's time goes (draft, selector, verify, accept, rollback, other) as shares "
+                                 "of the cycle; with --json, under \"profile\"."),
 ) -> None:
     """Acceptance length and decode throughput over a prompt set, DFlash 2 against plain decoding.
 
@@ -90,14 +93,21 @@ def bench_command(
                              on_prompt=progress)
     if plot is not None:
         bench.plot(result, plot, title=f"{choice.label}, {max_tokens} tokens, T={temp:g}")
+    profiled = None
+    if profile:
+        profiled = bench.profile_cycles(target, drafter, lines, settings, lambda line: encode_line(tokenizer, line))
+        ar_tps = result.contract["mean"]["ar_decode_tps"]
+        profiled["ar_step_ms"] = 1000 / ar_tps if ar_tps else None
     if as_json:
-        print(json.dumps(result.contract))
+        print(json.dumps({**result.contract, **({"profile": profiled} if profiled else {})}))
         if plot is not None:
             err.print(f"plot saved to {plot}", highlight=False)
         return
     out = Console()
     out.print(_table(result, choice.label, max_tokens, temp, settings.block_size or drafter.config.block_size))
     out.print(_position_bars(result.acceptance_by_position))
+    if profiled is not None:
+        out.print(_profile_table(profiled))
     if plot is not None:
         out.print(f"plot saved to {plot}", highlight=False)
     if any(r["identical"] is False for r in result.contract["prompts"]):
@@ -127,6 +137,25 @@ def _table(result, label: str, max_tokens: int, temp: float, block_size: int):
     table.add_row("", "[bold]mean[/bold]", "", f"[bold]{m['acceptance_length']:.2f}[/bold]",
                   f"[bold]{m['spec_decode_tps']:.1f}[/bold]", f"[bold]{m['ar_decode_tps']:.1f}[/bold]",
                   f"[bold]{_x(m['speedup'])}[/bold]", "")
+    return table
+
+
+def _profile_table(profiled: dict):
+    from rich.table import Table
+
+    from dflash2_mlx.profiling import DESCRIPTIONS, PHASES
+
+    step = profiled.get("ar_step_ms")
+    per_cycle = profiled["ms_per_cycle"]
+    title = (f"Where a cycle goes: {per_cycle:.1f} ms per cycle (profiled, with a sync per phase) over "
+             f"{profiled['cycles']} cycles" + (f"; one autoregressive step {step:.1f} ms" if step else ""))
+    table = Table(title=title, title_justify="left")
+    table.add_column("phase")
+    table.add_column("share", justify="right")
+    table.add_column("ms / cycle", justify="right")
+    table.add_column("what")
+    for phase in PHASES:
+        table.add_row(phase, f"{100 * profiled['shares'][phase]:.1f}%", f"{profiled['ms'][phase]:.2f}", DESCRIPTIONS[phase])
     return table
 
 

@@ -193,6 +193,18 @@ def run_bench(
     )
 
 
+def profile_cycles(target, drafter, lines: Sequence[dict], settings, encode: Callable[[dict], list[int]]) -> dict:
+    """Decode every prompt speculatively once more with a ``CycleProfiler``: per-phase time shares."""
+    from dflash2_mlx.engine import generate_speculative
+    from dflash2_mlx.profiling import CycleProfiler
+
+    profiler = CycleProfiler()
+    profiled = replace(settings, profiler=profiler)
+    for line in lines:
+        _run(generate_speculative(target.runner, drafter, encode(line), profiled, target.tokenizer))
+    return profiler.as_dict()
+
+
 @dataclass
 class BenchResult:
     contract: dict  # exactly {"mean": {...}, "prompts": [...]} (what --json prints)

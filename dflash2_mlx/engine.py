@@ -11,12 +11,13 @@ from __future__ import annotations
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Iterator, Optional, Sequence
+from typing import Iterator, Optional, Sequence, Union
 
 import mlx.core as mx
 
 from .drafter import Drafter
 from .prefix_cache import PrefixCache, PrefixEntry
+from .profiling import CycleProfiler
 from .sampling import LogitsProcessor, SamplingSettings, apply_processors, probabilities, rejection_step, sample
 from .target import TargetRunner
 from .text import StopStrings
@@ -38,6 +39,7 @@ class GenerationSettings:
     prefill_step_size: int = 512
     logprobs: int = 0  # 0: off; n: each token's log-probability and the top n alternatives
     cancel: Optional[threading.Event] = None  # set it to stop (checked between chunks and cycles)
+    profiler: Optional[CycleProfiler] = None  # bench --profile: time per cycle phase (adds host syncs)
 
 
 @dataclass
@@ -239,10 +241,12 @@ def _check_cancel(settings: GenerationSettings) -> None:
         raise Cancelled()
 
 
-def _pick(logits: mx.array, history: list[int], settings: GenerationSettings) -> mx.array:
+def _pick(logits: mx.array, history: Union[list[int], mx.array], settings: GenerationSettings) -> mx.array:
     """The next token from one row of logits [1, V], exactly as plain decoding picks it."""
     if settings.logits_processors:
-        logits = apply_processors(settings.logits_processors, mx.array(history, dtype=mx.int32), logits)
+        if not isinstance(history, mx.array):
+            history = mx.array(history, dtype=mx.int32)
+        logits = apply_processors(settings.logits_processors, history, logits)
     if settings.sampling.greedy:
         return mx.argmax(logits, axis=-1), logits
     return sample(probabilities(logits, settings.sampling)), logits
@@ -304,6 +308,15 @@ def generate_autoregressive(
     cache, _, token, processed = first
     history = list(prompt)
     while True:
+        # Launch the next step on the still-lazy token before reading it (as mlx-lm does): building
+        # its graph overlaps this step's compute. Past a stop token the step is wasted, not wrong.
+        ahead = None
+        if len(history) - len(prompt) + 1 < settings.max_tokens:
+            logits, _ = runner(token.reshape(1, 1).astype(mx.int32), cache)
+            lazy_history = mx.concatenate([mx.array(history, dtype=mx.int32), token.reshape(1).astype(mx.int32)]) \
+                if settings.logits_processors else None
+            ahead = _pick(logits[:, -1], lazy_history, settings)
+            mx.async_eval(ahead[0])
         t = int(token.item())
         logprobs = None
         if settings.logprobs:
@@ -311,17 +324,16 @@ def generate_autoregressive(
         history.append(t)
         event = out.add([t], logprobs=logprobs)
         if out.finished:
-            if prefix_cache is not None:  # the cache covers every token but the last
-                prefix_cache.store(PrefixEntry(tuple(history[:-1]), cache.snapshot(), None, None))
+            if prefix_cache is not None:  # the cache covers every token, or all but the last
+                covered = history if ahead is not None else history[:-1]
+                prefix_cache.store(PrefixEntry(tuple(covered), cache.snapshot(), None, None))
             yield out.finish(event)
             return
         yield event
         if settings.cancel is not None and settings.cancel.is_set():
             yield out.cancel()
             return
-        logits, _ = runner(mx.array([[t]]), cache)
-        token, processed = _pick(logits[:, -1], history, settings)
-        mx.async_eval(token)
+        token, processed = ahead
 
 
 def generate_speculative(
@@ -357,17 +369,22 @@ def generate_speculative(
     new_features = None  # target features of positions committed since the drafter last saw them
     mask_id = cfg.mask_token_id
     hybrid = "gdn" in runner.kinds
+    prof = settings.profiler
     while not out.finished:
         yield event
         if settings.cancel is not None and settings.cancel.is_set():
             yield out.cancel()
             return
+        if prof:
+            prof.cycle_start()
         bs = min(block_size, settings.max_tokens - len(out.tokens) + 1)  # never draft past max_tokens
         # Draft: block = [anchor, MASK * (bs-1)] at positions n..n+bs-1.
         block = mx.array([[anchor] + [mask_id] * (bs - 1)], dtype=mx.int32)
         block_embeds = runner.embed(block) * cfg.input_embedding_scale
         hidden = drafter(block_embeds, new_features, context)[:, 1:]  # [1, bs-1, H]
         draft_logits = drafter.logits(hidden, runner.lm_head)  # [1, bs-1, V]
+        if prof:
+            prof.mark("draft", draft_logits)
         candidates = q = None
         if cfg.is_dflash2 and greedy:
             draft = drafter.candidate_selector.greedy(hidden, draft_logits, block[:, 0])[0]
@@ -382,6 +399,8 @@ def generate_speculative(
             q = probabilities(draft_logits[0], sampling)
             draft = sample(q)
         draft = draft.astype(mx.int32)  # [bs-1]
+        if prof:
+            prof.mark("select", draft)
         # Verify: the target runs [anchor, d1..d(bs-1)] in one pass.
         recorded = [] if hybrid else None
         verify_in = mx.concatenate([block[0, :1], draft])
@@ -390,6 +409,8 @@ def generate_speculative(
         if settings.logits_processors:  # row i sees committed + d1..di, as plain decoding did
             history = mx.concatenate([mx.array(committed, dtype=mx.int32), draft])
             verify_logits = apply_processors(settings.logits_processors, history, verify_logits)
+        if prof:
+            prof.mark("verify", verify_logits, verify_features)
         # Accept: the longest agreeing prefix (greedy) or rejection sampling; one host sync.
         if greedy:
             target_tokens = mx.argmax(verify_logits, axis=-1)
@@ -404,12 +425,16 @@ def generate_speculative(
             drafted, accepted = draft.tolist(), int(accepted_arr.item())
             bonus = int(next_tokens[accepted].item())
         new_tokens = drafted[:accepted] + [bonus]
+        if prof:
+            prof.mark("accept")
         logprobs = None
         if settings.logprobs:  # verify row i is what plain decoding saw for emitted token i
             lp = _logprobs(verify_logits[: accepted + 1], mx.array(new_tokens, dtype=mx.int32), settings.logprobs)
             logprobs = _logprob_list(*lp, accepted + 1)
         # Roll back: the target keeps n+accepted+1 positions; the drafter gets the new rows next cycle.
         cache.rollback(recorded or [], fed=bs, keep=accepted + 1)
+        if prof:
+            prof.mark("rollback", [c.state for c in cache.layers])
         new_features = verify_features[:, : accepted + 1]
         committed += new_tokens
         anchor = bonus
@@ -421,6 +446,8 @@ def generate_speculative(
         for i in range(bs - 1):
             stats.drafted_by_position[i] += 1
             stats.accepted_by_position[i] += int(i < accepted)
+    if prof:
+        prof.stop()
     if prefix_cache is not None:
         # The next chat turn starts with this prompt and answer: keep the caches as they are now.
         # They cover every committed token but the last (the anchor), whatever clipping showed.

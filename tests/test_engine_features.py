@@ -150,3 +150,20 @@ def test_logprobs_are_the_targets_whichever_decoder_emits_the_token(pair, temper
             assert alts[0][0] == token
         logits, _ = runner(mx.array([[token]]), cache)
         row = logits[0, -1]
+
+
+def test_profiled_decoding_emits_the_same_tokens_and_accounts_every_phase(pair):
+    from dflash2_mlx.profiling import PHASES, CycleProfiler
+
+    runner, drafter = pair
+    prompt = [5, 9, 2, 7, 7, 1, 3]
+    settings = GenerationSettings(max_tokens=30)
+    plain, _ = _run(generate_speculative(runner, drafter, prompt, settings))
+    profiler = CycleProfiler()
+    profiled, last = _run(generate_speculative(runner, drafter, prompt, GenerationSettings(max_tokens=30, profiler=profiler)))
+    assert profiled == plain
+    report = profiler.as_dict()
+    assert report["cycles"] == last.stats.verify_steps
+    assert set(report["shares"]) == set(PHASES) and sum(report["shares"].values()) == pytest.approx(1.0)
+    for phase in ("draft", "select", "verify", "accept", "rollback"):
+        assert report["ms"][phase] > 0, phase
