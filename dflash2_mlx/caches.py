@@ -5,7 +5,9 @@ committed. Attention layers simply forget the last B - keep entries. A Gated Del
 recurrent state cannot be un-applied, so during verify the runner records each such layer's
 inputs to the recurrence (q, k, v, a, b, the state before the pass and the conv window); rollback
 restores the state from before the pass and replays the recurrence over the first ``keep`` steps
-from those recorded inputs: no weight matmuls, and no change to mlx-lm's classes.
+from those recorded inputs: no weight matmuls, and no change to mlx-lm's classes. Where the
+recurrence runs as separate ops per step (the CPU), the pass keeps each step's state instead and
+rollback just picks one: no replay at all.
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ class RecurrentInputs:
     state: Optional[mx.array]  # [1, Hv, Dv, Dk] before the pass (None: zeros)
     A_log: mx.array
     dt_bias: mx.array
+    states: Optional[list[mx.array]] = None  # the state after each of the S steps, when the pass kept them
 
 
 class TargetCache:
@@ -63,10 +66,13 @@ class TargetCache:
                 c.trim(drop)
                 continue
             rec = next(gdn_inputs)
-            _, state = gated_delta_update(
-                rec.q[:, :keep], rec.k[:, :keep], rec.v[:, :keep],
-                rec.a[:, :keep], rec.b[:, :keep], rec.A_log, rec.dt_bias, rec.state,
-            )
+            if rec.states is not None:  # the pass kept every step's state: nothing to recompute
+                state = rec.states[keep - 1]
+            else:
+                _, state = gated_delta_update(
+                    rec.q[:, :keep], rec.k[:, :keep], rec.v[:, :keep],
+                    rec.a[:, :keep], rec.b[:, :keep], rec.A_log, rec.dt_bias, rec.state,
+                )
             window = rec.conv_input.shape[1] - fed  # K - 1
             c[0] = mx.contiguous(rec.conv_input[:, keep : keep + window])
             c[1] = state

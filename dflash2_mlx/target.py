@@ -16,7 +16,7 @@ from typing import Optional
 import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.models.base import create_attention_mask
-from mlx_lm.models.gated_delta import gated_delta_update, normalize_qk
+from mlx_lm.models.gated_delta import _gated_delta_step_ops, compute_g, gated_delta_update, normalize_qk
 
 from .caches import RecurrentInputs, TargetCache
 
@@ -35,6 +35,43 @@ def _text_stack(model: nn.Module) -> tuple[nn.Module, nn.Module]:
             "only decoder-only text models (Qwen3.5/3.8, Qwen3, Llama-style) are supported"
         )
     return outer, inner
+
+
+# Per-step states cost S x [Hv, Dv, Dk] floats per layer; above this (a 27B model's 16-row
+# verify on the CPU) rollback replays instead.
+MAX_KEPT_STATE_BYTES = 64 << 20
+
+
+def _keeps_step_states(k: mx.array, v: mx.array, steps: int) -> bool:
+    """True where mlx-lm runs the recurrence as ops step by step (no Metal kernel: its own test)."""
+    dk = k.shape[-1]
+    uses_kernel = mx.default_device() == mx.gpu and mx.metal.is_available() and dk >= 32 and dk % 32 == 0
+    hv, dv = v.shape[-2:]
+    return not uses_kernel and steps * hv * dv * dk * 4 <= MAX_KEPT_STATE_BYTES
+
+
+def gated_delta_with_states(q, k, v, a, b, A_log, dt_bias, state):
+    """mlx-lm's ops recurrence for a batch of one, also returning the state after every step.
+
+    Same ops in the same order as ``gated_delta_update`` on its ops path (mlx-lm's own step
+    function), so outputs and final state are bit for bit the same (a test pins it); rollback then
+    picks the state after the last kept step instead of replaying.
+    """
+    beta = mx.sigmoid(b)
+    g = compute_g(A_log, a, dt_bias)
+    B, S, Hk, Dk = q.shape
+    Hv, Dv = v.shape[-2:]
+    if state is None:
+        state = mx.zeros((B, Hv, Dv, Dk), dtype=mx.float32)
+    if (repeat := Hv // Hk) > 1:
+        q = mx.repeat(q, repeat, -2)
+        k = mx.repeat(k, repeat, -2)
+    ys, states = [], []
+    for t in range(S):
+        y, state = _gated_delta_step_ops(q[:, t], k[:, t], v[:, t], g[:, t], beta[:, t], state)
+        ys.append(y)
+        states.append(state)
+    return mx.stack(ys, axis=1), states
 
 
 def gated_delta_qkv(gdn: nn.Module, conv_out: mx.array) -> tuple[mx.array, mx.array, mx.array]:
@@ -147,11 +184,16 @@ class TargetRunner:
         conv_out = nn.silu(gdn.conv1d(conv_input))
         q, k, v = gated_delta_qkv(gdn, conv_out)
         state = cache[1]
-        out, new_state = gated_delta_update(
-            q, k, v, a, b, gdn.A_log, gdn.dt_bias, state, None, use_kernel=not gdn.training
-        )
+        states = None
+        if record is not None and _keeps_step_states(k, v, S):
+            out, states = gated_delta_with_states(q, k, v, a, b, gdn.A_log, gdn.dt_bias, state)
+            new_state = states[-1]
+        else:
+            out, new_state = gated_delta_update(
+                q, k, v, a, b, gdn.A_log, gdn.dt_bias, state, None, use_kernel=not gdn.training
+            )
         if record is not None:
-            record.append(RecurrentInputs(conv_input, q, k, v, a, b, state, gdn.A_log, gdn.dt_bias))
+            record.append(RecurrentInputs(conv_input, q, k, v, a, b, state, gdn.A_log, gdn.dt_bias, states))
         cache[1] = new_state
         cache.advance(S)
         out = gdn.norm(out, z)

@@ -123,3 +123,29 @@ def test_training_forward_sees_what_inference_sees(hybrid_target, window, versio
         cache = drafter.make_cache()
         inferred = drafter(blocks[i : i + 1], features[:, :a], cache)
         np.testing.assert_allclose(np.array(trained[i]), np.array(inferred[0]), atol=1e-5)
+
+
+@pytest.mark.parametrize("steps", [1, 3, 8, 16])
+def test_kept_step_states_are_mlx_lms_recurrence_bit_for_bit(steps):
+    """The CPU verify pass keeps each step's state so rollback picks one instead of replaying:
+    outputs and final state equal mlx-lm's gated_delta_update, and the state kept after step t
+    equals running only the first t + 1 steps."""
+    from mlx_lm.models.gated_delta import gated_delta_update
+
+    from dflash2_mlx.target import gated_delta_with_states
+
+    rng = np.random.default_rng(steps)
+    Hk, Hv, Dk, Dv = 2, 4, 32, 16
+    q, k = (mx.array(rng.normal(size=(1, steps, Hk, Dk)).astype(np.float32) * 0.2) for _ in range(2))
+    v = mx.array(rng.normal(size=(1, steps, Hv, Dv)).astype(np.float32))
+    a, b = (mx.array(rng.normal(size=(1, steps, Hv)).astype(np.float32)) for _ in range(2))
+    A_log, dt_bias = mx.array(rng.normal(size=(Hv,)).astype(np.float32)), mx.array(rng.normal(size=(Hv,)).astype(np.float32))
+    state = mx.array(rng.normal(size=(1, Hv, Dv, Dk)).astype(np.float32))
+    out, states = gated_delta_with_states(q, k, v, a, b, A_log, dt_bias, state)
+    ref_out, ref_state = gated_delta_update(q, k, v, a, b, A_log, dt_bias, state)
+    assert len(states) == steps
+    assert mx.array_equal(out, ref_out) and mx.array_equal(states[-1], ref_state)
+    for t in range(steps):
+        _, prefix_state = gated_delta_update(q[:, : t + 1], k[:, : t + 1], v[:, : t + 1], a[:, : t + 1], b[:, : t + 1],
+                                             A_log, dt_bias, state)
+        assert mx.array_equal(states[t], prefix_state)
