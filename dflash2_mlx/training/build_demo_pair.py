@@ -60,17 +60,17 @@ class BuildPlan:
         hidden_size=256, num_layers=6, intermediate_size=448, full_attention_interval=3,
         attention_heads=4, kv_heads=2, head_dim=32, linear_key_heads=2, linear_value_heads=4, linear_head_dim=32,
     ))
-    target_steps: int = 1400
+    target_steps: int = 500
     target_batch: int = 4
     seq_len: int = 512
     target_lr: float = 3e-3
-    target_warmup: int = 50
+    target_warmup: int = 25
     heldout_eval_sequences: Optional[int] = None  # None: every held-out sequence
     # drafter data and training
-    drafter_sequences: int = 4096
+    drafter_sequences: int = 2048
     prefix_len: int = 96
     continuation_len: int = 128
-    drafter_steps: int = 3500
+    drafter_steps: int = 1500
     drafter_layers: int = 2
     drafter_block_size: int = 8
     drafter_taps: list = field(default_factory=lambda: [1, 3])
