@@ -26,14 +26,16 @@ def _root() -> None:
 
 
 from .common import UserError  # noqa: E402  (re-exported: commands raise it, main() prints it)
+from .common import draft_option, model_option, preset_option  # noqa: E402
 from .common import fail as _fail  # noqa: E402
 
 
 @app.command()
 def generate(
     prompt: str = typer.Option(..., "--prompt", "-p", help="The prompt text."),
-    model: str = typer.Option(..., "--model", "-m", help="Target model: local directory or Hugging Face repo id."),
-    draft_model: Optional[str] = typer.Option(None, "--draft-model", "-d", help="DFlash / DFlash 2 drafter: directory or repo id."),
+    model: Optional[str] = model_option(),
+    draft_model: Optional[str] = draft_option(),
+    preset: Optional[str] = preset_option(),
     max_tokens: int = typer.Option(256, "--max-tokens", help="Maximum number of tokens to generate."),
     temp: float = typer.Option(0.0, "--temp", help="Sampling temperature; 0 is greedy."),
     top_p: float = typer.Option(1.0, "--top-p", help="Nucleus sampling mass (0, 1]."),
@@ -47,27 +49,20 @@ def generate(
     system: Optional[str] = typer.Option(None, "--system", help="System prompt (with the chat template)."),
     as_json: bool = typer.Option(False, "--json", help="Print one JSON object with the text, tokens and statistics."),
 ) -> None:
-    """Generate a completion, speculatively (default) or autoregressively (--no-draft)."""
+    """Generate a completion, speculatively (default) or autoregressively (--no-draft).
+
+    With no --model it runs the embedded tiny code-completion demo pair (a code model: pair it
+    with --ignore-chat-template and a code prefix, e.g. --prompt "def fibonacci(n):").
+    """
     from dflash2_mlx.engine import GenerationSettings, generate_autoregressive, generate_speculative
-    from dflash2_mlx.loading import load_drafter, load_target, validate_pair
-    from dflash2_mlx.sampling import SamplingSettings
     from dflash2_mlx.text import encode_prompt
 
-    if max_tokens < 1:
-        _fail(f"--max-tokens must be at least 1, got {max_tokens}")
-    if not no_draft and draft_model is None:
-        _fail("--draft-model is required for speculative decoding (or pass --no-draft)")
-    try:
-        sampling = SamplingSettings(temperature=temp, top_p=top_p, top_k=top_k, min_p=min_p)
-    except ValueError as e:
-        _fail(str(e))
-    target = load_target(model)
-    drafter = None
-    if not no_draft:
-        drafter = load_drafter(draft_model)
-        validate_pair(target.runner, drafter.config, target.name)
-        if block_size is not None and not 1 < block_size <= drafter.config.block_size:
-            _fail(f"--block-size must be in 2..{drafter.config.block_size} for this drafter, got {block_size}")
+    from .common import check_positive, choose_models, load_models, sampling_settings
+
+    check_positive("--max-tokens", max_tokens)
+    sampling = sampling_settings(temp, top_p, top_k, min_p)
+    choice = choose_models(model, draft_model, preset, need_draft=not no_draft)
+    target, drafter = load_models(choice, None if no_draft else block_size, quiet=True)
     tokenizer = target.tokenizer
     ids = encode_prompt(tokenizer, prompt, use_chat_template=not ignore_chat_template, system=system)
     settings = GenerationSettings(

@@ -39,3 +39,12 @@ def tiny_checkpoints(tmp_path_factory, hybrid_target):
 def _reset_random():
     mx.random.seed(0)
     yield
+
+
+@pytest.fixture(scope="session")
+def embedded_pair():
+    """(target dir, drafter dir) of the embedded tiny code-completion demo pair, as the commands
+    use it by default. Missing assets are an error, not a skip: the package ships them."""
+    from dflash2_mlx import assets
+
+    return assets.demo_target_path(), assets.demo_drafter_path()

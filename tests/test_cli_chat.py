@@ -54,9 +54,9 @@ def template_lengths(target: Path, messages: list[dict]) -> list[int]:
     return out
 
 
-def test_two_turns_prefill_only_new_tokens_and_save_load(tiny_checkpoints, tmp_path):
-    target, drafter = tiny_checkpoints
-    child = spawn("--model", str(target), "--draft-model", str(drafter), "--max-tokens", "16")
+def test_two_turns_prefill_only_new_tokens_and_save_load(embedded_pair, tmp_path):
+    target, _ = embedded_pair
+    child = spawn("--max-tokens", "16")  # no --model: the embedded pair
     try:
         first = turn(child, "hello")
         assert first["cached"] == 0 and first["prefilled"] == first["prompt"]
@@ -103,9 +103,8 @@ def test_two_turns_prefill_only_new_tokens_and_save_load(tiny_checkpoints, tmp_p
     assert child.exitstatus == 0
 
 
-def test_ctrl_c_stops_the_answer_and_the_chat_goes_on(tiny_checkpoints):
-    target, drafter = tiny_checkpoints
-    child = spawn("--model", str(target), "--draft-model", str(drafter), "--max-tokens", "100000")
+def test_ctrl_c_stops_the_answer_and_the_chat_goes_on(embedded_pair):
+    child = spawn("--max-tokens", "100000")  # the embedded pair
     try:
         child.sendline("write forever")
         child.expect_exact("write forever")  # the terminal's echo

@@ -31,6 +31,17 @@ def test_generate_json_speculative_equals_no_draft(tiny_checkpoints):
     assert p["verify_steps"] == 0 and p["acceptance_length"] == 1.0
 
 
+def test_generate_without_model_runs_the_embedded_pair(embedded_pair):
+    common = ["generate", "--ignore-chat-template", "--prompt", "class Parser:\n    def __init__(self",
+              "--max-tokens", "48", "--json"]
+    spec, plain = run(*common), run(*common, "--no-draft")
+    assert spec.returncode == 0 and plain.returncode == 0, spec.stderr + plain.stderr
+    s, p = json.loads(spec.stdout), json.loads(plain.stdout)
+    assert s["tokens"] == p["tokens"] and len(s["tokens"]) == 48
+    assert s["acceptance_length"] >= 3.0
+    assert "needs --model" in _one_line_error(run("generate", "--prompt", "x", "--draft-model", str(embedded_pair[1])))
+
+
 def test_generate_streams_text_and_a_summary_line(tiny_checkpoints):
     target, drafter = tiny_checkpoints
     out = run("generate", "--model", str(target), "--draft-model", str(drafter), "--prompt", "hello",

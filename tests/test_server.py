@@ -23,11 +23,12 @@ MAX_CONTEXT = 512
 
 
 @pytest.fixture(scope="module")
-def server(tiny_checkpoints, tmp_path_factory):
-    target, drafter = tiny_checkpoints
+def server(embedded_pair, tmp_path_factory):
+    """A real `serve` process on the embedded tiny pair (served also as "target" and "tiny-alias")."""
+    target, drafter = embedded_pair
     log = tmp_path_factory.mktemp("serve") / "server.log"
     args = ["--model", str(target), "--draft-model", str(drafter), "--api-key", KEY,
-            "--served-model-name", "tiny-alias", "--max-context", str(MAX_CONTEXT), "--max-queue", "2",
+            "--served-model-name", "target", "--served-model-name", "tiny-alias", "--max-context", str(MAX_CONTEXT), "--max-queue", "2",
             "--default-max-tokens", "16", "--request-timeout", "60"]
     with running_server(args, log) as srv:
         yield srv
@@ -54,7 +55,7 @@ def chat(client, content="Write a short poem.", **kw):
 def test_models_health_and_auth(server, client):
     assert httpx.get(server.base + "/health").json()["status"] == "ok"
     ids = [m.id for m in client.models.list().data]
-    assert ids == ["target", "tiny-alias"]  # the directory name, then the aliases
+    assert ids == ["tiny-code-demo-target", "target", "tiny-alias"]  # the directory name, then the aliases
     c = openai.OpenAI(base_url=server.base + "/v1", api_key="wrong", max_retries=0)
     with pytest.raises(openai.AuthenticationError):
         c.models.list()
@@ -82,8 +83,8 @@ def test_chat_stream_equals_complete_with_usage_and_speculative(client):
     assert chunks[-1].model_extra["speculative"] == spec
 
 
-def test_greedy_equals_generate_no_draft(server, client, tiny_checkpoints):
-    target, _ = tiny_checkpoints
+def test_greedy_equals_generate_no_draft(server, client, embedded_pair):
+    target, _ = embedded_pair
     prompt = "def fib(n):"
     out = subprocess.run([sys.executable, "-m", "dflash2_mlx", "generate", "--model", str(target), "--no-draft",
                           "--json", "--prompt", prompt, "--max-tokens", "40"],
@@ -121,7 +122,7 @@ def test_seed_reproduces_sampled_output(client):
     assert runs[0] == runs[1]
 
 
-def test_logprobs_and_penalties(client, tiny_checkpoints):
+def test_logprobs_and_penalties(client, embedded_pair):
     r = chat(client, logprobs=True, top_logprobs=3)
     lp = r.choices[0].logprobs.content
     assert len(lp) == r.usage.completion_tokens
@@ -131,7 +132,7 @@ def test_logprobs_and_penalties(client, tiny_checkpoints):
     # penalties and logit_bias are accepted and applied (a big bias forces the token)
     from mlx_lm.utils import load_tokenizer
 
-    a = load_tokenizer(tiny_checkpoints[0]).encode("A", add_special_tokens=False)[0]
+    a = load_tokenizer(embedded_pair[0]).encode("A", add_special_tokens=False)[0]
     forced = chat(client, max_tokens=4, logit_bias={str(a): 100}, presence_penalty=0.5, frequency_penalty=0.5)
     assert forced.choices[0].message.content.startswith("A")
 
@@ -279,11 +280,12 @@ def test_bad_inputs_get_4xx_and_the_server_keeps_serving(server):
 
 
 def test_queue_full_429_and_disconnect_cancels(server):
-    body = {"model": "target", "messages": [{"role": "user", "content": "long"}], "max_tokens": 400, "stream": True}
+    # Code continuation runs to max_tokens (a chat answer may end early with <|im_end|>).
+    body = {"model": "target", "prompt": "class Parser:\n    def __init__(self", "max_tokens": 400, "stream": True}
     before = labelled(server.base, "dflash2_mlx_generations_total").get('{finish_reason="cancelled"}', 0)
     # A client that disconnects mid-stream cancels its generation within a cycle.
     with httpx.Client(base_url=server.base, timeout=30) as h:
-        with h.stream("POST", "/v1/chat/completions", headers=auth(), json=body) as r:
+        with h.stream("POST", "/v1/completions", headers=auth(), json=body) as r:
             assert r.status_code == 200
             n = 0
             for line in r.iter_lines():
@@ -298,7 +300,7 @@ def test_queue_full_429_and_disconnect_cancels(server):
     statuses = []
 
     def one(_):
-        r = httpx.post(server.base + "/v1/chat/completions", headers=auth(), timeout=60,
+        r = httpx.post(server.base + "/v1/completions", headers=auth(), timeout=60,
                        json={**body, "stream": False, "max_tokens": 60})
         statuses.append((r.status_code, r.headers.get("retry-after"), r.json()))
 
@@ -322,8 +324,8 @@ def test_sigterm_during_a_stream_ends_it_cleanly(server):
     lines, done = [], threading.Event()
 
     def reader():
-        with httpx.stream("POST", server.base + "/v1/chat/completions", timeout=60, headers=auth(),
-                          json={"model": "target", "messages": [{"role": "user", "content": "go"}],
+        with httpx.stream("POST", server.base + "/v1/completions", timeout=60, headers=auth(),
+                          json={"model": "target", "prompt": "class Parser:\n    def __init__(self",
                                 "max_tokens": 100000, "stream": True}) as r:
             for line in r.iter_lines():
                 lines.append(line)

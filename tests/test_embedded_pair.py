@@ -1,0 +1,97 @@
+"""The embedded tiny code-completion demo pair: what ships is what its build recorded, it decodes
+losslessly with a real acceptance length, and z-lab's reference implementation runs it identically."""
+
+from __future__ import annotations
+
+import json
+from unittest import mock
+
+import pytest
+
+from dflash2_mlx import assets
+from dflash2_mlx.engine import GenerationSettings, generate_autoregressive, generate_speculative
+from dflash2_mlx.loading import load_drafter, load_target
+from dflash2_mlx.training.build_demo_pair import CHECKED_FILES, sha256_file
+
+MAX_TOKENS = 48
+
+
+@pytest.fixture(scope="module")
+def pair(embedded_pair):
+    target_dir, drafter_dir = embedded_pair
+    return load_target(str(target_dir)), load_drafter(str(drafter_dir))
+
+
+def _run(events):
+    tokens, stats = [], None
+    for event in events:
+        tokens += event.tokens
+        stats = event.stats or stats
+    return tokens, stats
+
+
+def test_shipped_files_are_the_recorded_build_and_fit_25_mb():
+    m = assets.manifest()
+    root = assets.assets_dir()
+    assert set(m["files"]) == set(CHECKED_FILES)
+    for name, digest in m["files"].items():
+        assert sha256_file(root / name) == digest, f"{name} is not what the recorded build produced"
+    shipped = [p for p in root.rglob("*") if p.is_file() and p.suffix not in (".py", ".pyc")]
+    assert sum(p.stat().st_size for p in shipped) <= 25_000_000
+    e = m["evaluation"]
+    assert e["identical_to_autoregressive"] is True
+    assert e["acceptance_length_t0"] >= 3.0 and e["block_size"] == 8
+
+
+def test_every_place_names_it_a_tiny_code_completion_demo():
+    root = assets.assets_dir()
+    for readme in (root / assets.DEMO_TARGET_DIR / "README.md", root / assets.DEMO_DRAFTER_DIR / "README.md"):
+        assert "tiny code-completion demo" in readme.read_text().lower()
+    drafter_cfg = json.loads((root / assets.DEMO_DRAFTER_DIR / "config.json").read_text())
+    assert drafter_cfg["name"] == "tiny-code-demo-drafter"
+    assert "demo" in assets.manifest()["description"].lower()
+
+
+def test_speculative_equals_plain_on_held_out_prompts(pair):
+    target, drafter = pair
+    tok = target.tokenizer
+    settings = GenerationSettings(max_tokens=MAX_TOKENS, block_size=8, stop_token_ids=sorted(tok.eos_token_ids))
+    cycle_tokens = cycles = 0
+    for prompt in assets.demo_prompts()[:4]:
+        ids = tok.encode(prompt, add_special_tokens=False)
+        plain, _ = _run(generate_autoregressive(target.runner, ids, settings, tok))
+        spec, stats = _run(generate_speculative(target.runner, drafter, ids, settings, tok))
+        assert spec == plain
+        cycle_tokens += stats.cycle_tokens
+        cycles += stats.verify_steps
+    assert cycle_tokens / cycles >= 2.5  # the full prompt set at 128 tokens is recorded in MANIFEST.json
+
+
+def test_zlab_reference_loads_the_pair_and_matches_tokens_and_acceptance(pair, embedded_pair):
+    """z-lab's PyPI `dflash` (its MLX implementation) on the same files: same greedy tokens, same
+    acceptance length, cycle by cycle. Its load_draft downloads from the Hub; the local directory
+    stands in for the download (that one call is patched, nothing else of theirs)."""
+    import dflash.model_mlx as zm  # installed by CI (pip install --no-deps dflash==0.1.0)
+
+    target_dir, drafter_dir = embedded_pair
+    z_target, z_tok = zm.load(str(target_dir))
+    with mock.patch.object(zm, "snapshot_download", lambda repo_id, **kw: repo_id):
+        z_draft = zm.load_draft(str(drafter_dir))
+    assert type(z_draft).__name__ == "DFlash2DraftModel"
+    target, drafter = pair
+    tok = target.tokenizer
+    settings = GenerationSettings(max_tokens=MAX_TOKENS, block_size=8, stop_token_ids=sorted(tok.eos_token_ids))
+    for prompt in assets.demo_prompts()[:3]:
+        ids = tok.encode(prompt, add_special_tokens=False)
+        z_tokens, z_cycles = [], []
+        for r in zm.stream_generate(z_target, z_draft, z_tok, ids, block_size=8, max_tokens=MAX_TOKENS):
+            z_tokens += r.tokens
+            if r.accepted is not None and r.tokens:
+                z_cycles.append(r.accepted)
+        ours, our_cycles = [], []
+        for event in generate_speculative(target.runner, drafter, ids, settings, tok):
+            ours += event.tokens
+            if event.accepted is not None:
+                our_cycles.append(len(event.tokens))
+        assert ours == z_tokens
+        assert our_cycles == z_cycles  # hence equal acceptance length
