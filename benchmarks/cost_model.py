@@ -1,0 +1,222 @@
+"""Cost model at the real widths: what a DFlash 2 cycle costs relative to one target pass.
+
+    python benchmarks/cost_model.py [--dtype bfloat16|float32] [--bits 4] [--context 256] [--json out.json]
+
+Random weights, reduced depth, real widths: a Qwen3.8-27B-shaped target with 2 Gated DeltaNet and
+2 gated attention layers (hidden 5120, MLP 17408, vocabulary 248320, the real head counts) and a
+1-layer DFlash 2 drafter at the real widths (selector top-16, rank 256, convolution groups of 16),
+tapping all four target layers. Measured (median of --repeats after a warm-up):
+
+- the verify pass over B = 1..16 rows relative to one row (B = 1 is an autoregressive step);
+- the drafter's part of a cycle (context rows in, block forward, draft logits, selector) relative
+  to a one-row target pass, with the selector and the two-tap convolutions timed on their own;
+- rollback after an 8-row verify that keeps 5 rows (Gated DeltaNet state + KV trim).
+
+Depth changes the target's share, not the drafter's: the report scales the per-layer target cost
+to 64 layers (48 Gated DeltaNet + 16 attention) and keeps the drafter's measured cost x 5 layers,
+then predicts the speedup on an M5 Max for the published acceptance length from the anchors in
+the reference notes (a 27B 4-bit target pass: ~15 GB of weights at 614 GB/s; 33 tok/s measured
+plain decoding). On this CPU every pass is compute-bound, so the measured B-row verify factor is an
+upper bound of the bandwidth-bound Mac's; the prediction says which factor it used.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Callable
+
+import dflash2_mlx  # noqa: F401  (OpenBLAS before mlx.core)
+
+import mlx.core as mx
+import mlx.nn as nn
+
+# Anchors (../shared/reference/anchors.md): published acceptance length, Mac plain decoding.
+PUBLISHED_ACCEPTANCE = 4.80
+M5_MAX_AR_TPS = 33.0  # Qwen3.x-27B 4-bit plain decoding on an M5 Max
+M5_MAX_BANDWIDTH = 614e9
+TARGET_LAYERS, TARGET_ATTENTION_LAYERS, DRAFTER_LAYERS = 64, 16, 5
+
+
+def target_config(dtype: str) -> dict:
+    """Qwen3.8-27B's text config at reduced depth: layers (GDN, attention) x 2."""
+    text = {
+        "model_type": "qwen3_5_text", "hidden_size": 5120, "intermediate_size": 17408, "num_hidden_layers": 4,
+        "num_attention_heads": 24, "num_key_value_heads": 4, "head_dim": 256, "attn_output_gate": True,
+        "linear_num_key_heads": 16, "linear_num_value_heads": 48, "linear_key_head_dim": 128,
+        "linear_value_head_dim": 128, "linear_conv_kernel_dim": 4, "full_attention_interval": 2,
+        "layer_types": ["linear_attention", "full_attention"] * 2, "vocab_size": 248320, "rms_norm_eps": 1e-6,
+        "max_position_embeddings": 262144, "tie_word_embeddings": False, "attention_bias": False,
+        "rope_parameters": {"rope_type": "default", "rope_theta": 10000000.0, "partial_rotary_factor": 0.25},
+    }
+    return {"model_type": "qwen3_5", "text_config": text, "tie_word_embeddings": False}
+
+
+def drafter_config():
+    from dflash2_mlx.config import DrafterConfig
+
+    return DrafterConfig.from_dict({
+        "architectures": ["DFlash2DraftModel"], "model_type": "qwen3", "is_causal": False, "hidden_size": 5120,
+        "intermediate_size": 17408, "num_hidden_layers": 1, "num_attention_heads": 32, "num_key_value_heads": 8,
+        "head_dim": 128, "vocab_size": 248320, "rms_norm_eps": 1e-6, "max_position_embeddings": 262144,
+        "sliding_window": 2048, "use_sliding_window": True, "layer_types": ["sliding_attention"],
+        "num_target_layers": 4, "rope_parameters": {"rope_theta": 10000000.0, "rope_type": "default"},
+        "dflash_config": {"block_size": 8, "mask_token_id": 248070, "conv_group_size": 16, "conv_kernel_size": 2,
+                          "selector_rank": 256, "selector_top_k": 16, "target_layer_ids": [0, 1, 2, 3]},
+    })
+
+
+def median_ms(fn: Callable[[], None], repeats: int) -> float:
+    fn()  # warm-up
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        times.append(1000 * (time.perf_counter() - t0))
+    return statistics.median(times)
+
+
+def build(dtype: mx.Dtype, bits: int | None):
+    from mlx_lm.utils import _get_classes
+
+    from dflash2_mlx.drafter import Drafter
+    from dflash2_mlx.target import TargetRunner
+
+    cfg = target_config(str(dtype))
+    model_class, args_class = _get_classes(cfg)
+    model = model_class(args_class.from_dict(cfg))
+    model.set_dtype(dtype)
+    if bits:
+        nn.quantize(model, group_size=64, bits=bits)
+    mx.eval(model.parameters())
+    drafter = Drafter(drafter_config())
+    drafter.set_dtype(dtype)
+    mx.eval(drafter.parameters())
+    return TargetRunner(model), drafter
+
+
+def measure(runner, drafter, context: int, repeats: int) -> dict:
+    from dflash2_mlx import kernels
+
+    rng_tokens = mx.random.randint(0, 248000, (1, context + 16)).astype(mx.int32)
+    taps = drafter.config.target_layer_ids
+    cache = runner.make_cache()
+    _, features = runner(rng_tokens[:, :context], cache, taps, logits_from=context)
+    mx.eval(features, [c.state for c in cache.layers])
+    snap = cache.snapshot()
+    out: dict = {"context": context}
+
+    def verify(rows: int):
+        def run():
+            cache.restore(snap)
+            rec = []
+            logits, feats = runner(rng_tokens[:, context : context + rows], cache, taps, rec)
+            mx.eval(logits, feats, [c.state for c in cache.layers])
+        return run
+
+    out["verify_ms"] = {b: median_ms(verify(b), repeats) for b in (1, 2, 4, 8, 12, 16)}
+    one = out["verify_ms"][1]
+    out["verify_relative"] = {b: ms / one for b, ms in out["verify_ms"].items()}
+
+    # Rollback after an 8-row verify that keeps 5 (timed alone: the verify is done first).
+    def rollback():
+        cache.restore(snap)
+        rec = []
+        logits, feats = runner(rng_tokens[:, context : context + 8], cache, taps, rec)
+        mx.eval(logits, feats, [c.state for c in cache.layers])
+        t0 = time.perf_counter()
+        cache.rollback(rec, fed=8, keep=5)
+        mx.eval([c.state for c in cache.layers])
+        return 1000 * (time.perf_counter() - t0)
+
+    rollback()
+    out["rollback_ms"] = statistics.median(rollback() for _ in range(repeats))
+
+    # The drafter's part of a cycle: 5 new context rows, the 8-row block, 7 rows of logits, selector.
+    ctx = drafter.make_cache()
+    drafter.absorb(features, ctx)
+    mx.eval(ctx.keys)
+    new_rows = features[:, -5:]
+    block = mx.concatenate([rng_tokens[:, :1], mx.full((1, 7), drafter.config.mask_token_id, dtype=mx.int32)], axis=1)
+    hidden_keep = {}
+
+    def draft():
+        c = ctx.copy()
+        hidden = drafter(runner.embed(block), new_rows, c)[:, 1:]
+        logits = drafter.logits(hidden, runner.lm_head)
+        tokens = drafter.candidate_selector.greedy(hidden, logits, block[:, 0])
+        mx.eval(tokens)
+        hidden_keep["h"], hidden_keep["l"] = hidden, logits
+
+    out["draft_cycle_ms"] = median_ms(draft, repeats)
+    h, l = hidden_keep["h"], hidden_keep["l"]
+    out["selector_ms"] = median_ms(lambda: mx.eval(drafter.candidate_selector.greedy(h, l, block[:, :1][:, 0])), repeats)
+    layer = drafter.layers[0]
+    x = mx.random.normal((1, 8, 5120)).astype(h.dtype)
+
+    def convs():  # one drafter layer's two convolutions (dynamic projection, before and after)
+        outs = []
+        for conv in (layer.attention_conv, layer.mlp_conv):
+            y, dynamic = conv.prepare(x)
+            outs.append(conv.finish(y, dynamic))
+        mx.eval(outs)
+
+    out["conv_ms_per_layer"] = median_ms(convs, repeats)
+    out["lm_head_8_rows_ms"] = median_ms(lambda: mx.eval(runner.lm_head(x)), repeats)
+    out["kernels"] = kernels.active_kernels()
+    return out
+
+
+def predict(m: dict) -> dict:
+    """Scale to the real depth and predict an M5 Max's speedup at the published acceptance length."""
+    ar_ms = 1000 / M5_MAX_AR_TPS
+    # Drafter on the Mac: bytes read per cycle / bandwidth at the efficiency the AR anchor implies
+    # (15 GB / 614 GB/s = 24.4 ms of the measured 30.3 ms).
+    efficiency = (15e9 / M5_MAX_BANDWIDTH * 1000) / ar_ms
+    drafter_bytes = 1.92e9 * 1.0 + 248320 * 5120 * 0.5625  # 8-bit drafter + the 4-bit target head it uses
+    draft_ms = drafter_bytes / M5_MAX_BANDWIDTH * 1000 / efficiency
+    # This CPU's cycle at full depth: the 4 measured target layers x 16 (the head once), the
+    # drafter's measured layer x 5 (its head, selector and context projection once).
+    head = m["lm_head_8_rows_ms"]
+    verify_full = head + (m["verify_ms"][8] - head) * TARGET_LAYERS / 4
+    layer_ms = m["draft_cycle_ms"] - m["selector_ms"] - head * 7 / 8
+    draft_full = m["draft_cycle_ms"] + layer_ms * (DRAFTER_LAYERS - 1)
+    rollback_full = m["rollback_ms"] * TARGET_LAYERS / 4
+    cpu_cycle = verify_full + draft_full + rollback_full
+    selector_conv_share = (m["selector_ms"] + DRAFTER_LAYERS * m["conv_ms_per_layer"]) / cpu_cycle
+    out = {}
+    for label, verify_factor in (("bandwidth-bound verify (1.05x one row)", 1.05),
+                                 ("this CPU's measured 8-row factor", m["verify_relative"][8])):
+        cycle = ar_ms * verify_factor + draft_ms + 0.3  # + one host sync
+        out[label] = {"cycle_ms": cycle, "speedup": PUBLISHED_ACCEPTANCE * ar_ms / cycle,
+                      "tok_s": PUBLISHED_ACCEPTANCE * 1000 / cycle}
+    return {"cpu_full_depth_cycle_ms": cpu_cycle, "cpu_full_depth_verify_8_ms": verify_full,
+            "cpu_full_depth_draft_ms": draft_full, "selector_conv_share_cpu": selector_conv_share,
+            "rollback_share_cpu": rollback_full / cpu_cycle, "m5_max_ar_ms": ar_ms, "m5_max_draft_ms": draft_ms,
+            "published_acceptance_length": PUBLISHED_ACCEPTANCE, "predictions": out}
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
+    ap.add_argument("--bits", type=int, default=None, help="quantize the target (4 or 8)")
+    ap.add_argument("--context", type=int, default=256)
+    ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--json", type=Path, default=None)
+    args = ap.parse_args(argv)
+    runner, drafter = build(getattr(mx, args.dtype), args.bits)
+    m = measure(runner, drafter, args.context, args.repeats)
+    p = predict(m)
+    report = {"settings": {"dtype": args.dtype, "bits": args.bits, "context": args.context}, "measured": m, "model": p}
+    print(json.dumps(report, indent=1))
+    if args.json:
+        args.json.write_text(json.dumps(report, indent=1) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

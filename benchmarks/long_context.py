@@ -1,0 +1,78 @@
+"""Does a speculative cycle stay cheap at long context? Cycle time / autoregressive step time at a
+short and a long context, on the embedded pair (or --model/--draft-model).
+
+    python benchmarks/long_context.py [--short 256] [--long 4000] [--max-tokens 96]
+
+The contexts are held-out standard-library text (the embedded pair's own domain), cut to the
+given token counts. Per context: one speculative and one plain run after a warm-up; cycle time =
+speculative decode time / verify cycles; AR step = plain decode time / (tokens - 1). The drafter's
+context is bounded by its sliding window, so the ratio should not grow with the context.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+import dflash2_mlx  # noqa: F401  (OpenBLAS before mlx.core)
+
+
+def held_out_tokens(tokenizer, count: int) -> list[int]:
+    from dflash2_mlx.training import corpus
+
+    _, held = corpus.split(corpus.load_corpus())
+    ids: list[int] = []
+    for f in held:
+        ids += tokenizer.encode(f.text, add_special_tokens=False)
+        if len(ids) >= count:
+            return ids[:count]
+    raise SystemExit(f"the held-out files hold only {len(ids)} tokens")
+
+
+def measure(target, drafter, prompt: list[int], max_tokens: int) -> dict:
+    from dflash2_mlx.engine import GenerationSettings, generate_autoregressive, generate_speculative
+
+    settings = GenerationSettings(max_tokens=max_tokens)  # no stop tokens: every run is max_tokens long
+
+    def last(events):
+        stats = None
+        for e in events:
+            stats = e.stats or stats
+        return stats
+
+    last(generate_speculative(target.runner, drafter, prompt, GenerationSettings(max_tokens=8)))  # warm-up
+    spec = last(generate_speculative(target.runner, drafter, prompt, settings))
+    plain = last(generate_autoregressive(target.runner, prompt, settings))
+    cycle_ms = 1000 * spec.decode_seconds / spec.verify_steps
+    step_ms = 1000 * plain.decode_seconds / (plain.generation_tokens - 1)
+    return {"context": len(prompt), "cycle_ms": cycle_ms, "ar_step_ms": step_ms, "cycle_over_step": cycle_ms / step_ms,
+            "acceptance_length": spec.acceptance_length, "spec_tps": spec.decode_tps, "ar_tps": plain.decode_tps}
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--model")
+    ap.add_argument("--draft-model")
+    ap.add_argument("--short", type=int, default=256)
+    ap.add_argument("--long", type=int, default=4000)
+    ap.add_argument("--max-tokens", type=int, default=96)
+    args = ap.parse_args(argv)
+    from dflash2_mlx import assets
+    from dflash2_mlx.loading import load_drafter, load_target
+
+    target = load_target(args.model or str(assets.demo_target_path()))
+    drafter = load_drafter(args.draft_model or str(assets.demo_drafter_path()))
+    ids = held_out_tokens(target.tokenizer, args.long)
+    rows = [measure(target, drafter, ids[: args.short], args.max_tokens), measure(target, drafter, ids, args.max_tokens)]
+    for r in rows:
+        print(f"context {r['context']:5d}: cycle {r['cycle_ms']:.1f} ms, AR step {r['ar_step_ms']:.1f} ms, "
+              f"cycle / step {r['cycle_over_step']:.2f}, acceptance {r['acceptance_length']:.2f}")
+    change = rows[1]["cycle_over_step"] / rows[0]["cycle_over_step"] - 1
+    print(f"cycle / step at {rows[1]['context']} vs {rows[0]['context']} tokens: {100 * change:+.1f}%")
+    print(json.dumps({"rows": rows, "relative_change": change}))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
