@@ -31,15 +31,12 @@ def held_out_tokens(tokenizer, count: int) -> list[int]:
 
 
 def measure(target, drafter, prompt: list[int], max_tokens: int) -> dict:
-    from dflash2_mlx.engine import GenerationSettings, generate_autoregressive, generate_speculative
+    from dflash2_mlx.engine import GenerationSettings, collect, generate_autoregressive, generate_speculative
 
     settings = GenerationSettings(max_tokens=max_tokens)  # no stop tokens: every run is max_tokens long
 
     def last(events):
-        stats = None
-        for e in events:
-            stats = e.stats or stats
-        return stats
+        return collect(events)[1]
 
     last(generate_speculative(target.runner, drafter, prompt, GenerationSettings(max_tokens=8)))  # warm-up
     spec = last(generate_speculative(target.runner, drafter, prompt, settings))

@@ -27,7 +27,6 @@ def _root() -> None:
 
 from .common import UserError  # noqa: E402  (re-exported: commands raise it, main() prints it)
 from .common import draft_option, model_option, preset_option  # noqa: E402
-from .common import fail as _fail  # noqa: E402
 
 
 @app.command()

@@ -96,11 +96,9 @@ class Run:
 
 
 def _run(events) -> Run:
-    tokens, stats = [], None
-    for event in events:
-        tokens += event.tokens
-        stats = event.stats or stats
-    return Run(tokens, stats)
+    from dflash2_mlx.engine import collect
+
+    return Run(*collect(events))
 
 
 def _safe_ratio(a: float, b: float) -> Optional[float]:

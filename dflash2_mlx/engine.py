@@ -456,6 +456,15 @@ def generate_speculative(
     yield out.finish(event)
 
 
+def collect(events: Iterator[GenerationEvent]) -> tuple[list[int], Optional[GenerationStats]]:
+    """Run a generation to its end: (all its tokens, the final statistics)."""
+    tokens, stats = [], None
+    for event in events:
+        tokens += event.tokens
+        stats = event.stats or stats
+    return tokens, stats
+
+
 def _with_max(settings: GenerationSettings, max_tokens: int) -> GenerationSettings:
     if max_tokens == settings.max_tokens:
         return settings

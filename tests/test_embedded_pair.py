@@ -9,7 +9,7 @@ from unittest import mock
 import pytest
 
 from dflash2_mlx import assets
-from dflash2_mlx.engine import GenerationSettings, generate_autoregressive, generate_speculative
+from dflash2_mlx.engine import GenerationSettings, collect, generate_autoregressive, generate_speculative
 from dflash2_mlx.loading import load_drafter, load_target
 from dflash2_mlx.training.build_demo_pair import CHECKED_FILES, sha256_file
 
@@ -20,14 +20,6 @@ MAX_TOKENS = 48
 def pair(embedded_pair):
     target_dir, drafter_dir = embedded_pair
     return load_target(str(target_dir)), load_drafter(str(drafter_dir))
-
-
-def _run(events):
-    tokens, stats = [], None
-    for event in events:
-        tokens += event.tokens
-        stats = event.stats or stats
-    return tokens, stats
 
 
 def test_shipped_files_are_the_recorded_build_and_fit_25_mb():
@@ -59,8 +51,8 @@ def test_speculative_equals_plain_on_held_out_prompts(pair):
     cycle_tokens = cycles = 0
     for prompt in assets.demo_prompts()[:4]:
         ids = tok.encode(prompt, add_special_tokens=False)
-        plain, _ = _run(generate_autoregressive(target.runner, ids, settings, tok))
-        spec, stats = _run(generate_speculative(target.runner, drafter, ids, settings, tok))
+        plain, _ = collect(generate_autoregressive(target.runner, ids, settings, tok))
+        spec, stats = collect(generate_speculative(target.runner, drafter, ids, settings, tok))
         assert spec == plain
         cycle_tokens += stats.cycle_tokens
         cycles += stats.verify_steps

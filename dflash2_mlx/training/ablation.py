@@ -18,7 +18,6 @@ cycles that accepted that draft position) and whether the output equals plain de
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import hashlib
 import json
 import sys
@@ -70,7 +69,7 @@ def training_data(plan, target, work: Path, log) -> tuple[np.ndarray, list[dict]
 def evaluate_variant(target, drafter_dir: Path, prompts: list[dict], block_size: int, max_tokens: int,
                      reference: Optional[list[list[int]]]) -> tuple[dict, list[list[int]]]:
     """Acceptance (mean and per position) of one drafter on ``prompts`` at temperature 0."""
-    from ..engine import GenerationSettings, generate_autoregressive, generate_speculative
+    from ..engine import GenerationSettings, collect, generate_autoregressive, generate_speculative
     from ..loading import load_drafter
 
     drafter = load_drafter(str(drafter_dir))
@@ -78,15 +77,8 @@ def evaluate_variant(target, drafter_dir: Path, prompts: list[dict], block_size:
     settings = GenerationSettings(max_tokens=max_tokens, block_size=block_size,
                                   stop_token_ids=sorted(tok.eos_token_ids))
 
-    def run(gen):
-        tokens, stats = [], None
-        for event in gen:
-            tokens += event.tokens
-            stats = event.stats or stats
-        return tokens, stats
-
     if reference is None:
-        reference = [run(generate_autoregressive(target.runner, tok.encode(p["prompt"], add_special_tokens=False),
+        reference = [collect(generate_autoregressive(target.runner, tok.encode(p["prompt"], add_special_tokens=False),
                                                  settings, tok))[0] for p in prompts]
     cycle_tokens = cycles = 0
     accepted = [0] * (block_size - 1)
@@ -94,7 +86,7 @@ def evaluate_variant(target, drafter_dir: Path, prompts: list[dict], block_size:
     identical = True
     for p, ref in zip(prompts, reference):
         ids = tok.encode(p["prompt"], add_special_tokens=False)
-        out, st = run(generate_speculative(target.runner, drafter, ids, settings, tok))
+        out, st = collect(generate_speculative(target.runner, drafter, ids, settings, tok))
         identical &= out == ref
         cycle_tokens += st.cycle_tokens
         cycles += st.verify_steps

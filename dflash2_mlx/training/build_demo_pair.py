@@ -289,7 +289,7 @@ def build_drafter(plan: BuildPlan, target, docs, work: Path, log: Log) -> dict:
 
 
 def evaluate(plan: BuildPlan, target_dir: Path, drafter_dir: Optional[Path], prompts: list[dict], log: Log) -> dict:
-    from ..engine import GenerationSettings, generate_autoregressive, generate_speculative
+    from ..engine import GenerationSettings, collect, generate_autoregressive, generate_speculative
     from ..loading import load_drafter, load_target
     from ..sampling import SamplingSettings
 
@@ -297,13 +297,6 @@ def evaluate(plan: BuildPlan, target_dir: Path, drafter_dir: Optional[Path], pro
     drafter = load_drafter(str(drafter_dir)) if drafter_dir is not None else None
     tokenizer = target.tokenizer
     stops = sorted(tokenizer.eos_token_ids)
-
-    def run(gen):
-        tokens, stats = [], None
-        for event in gen:
-            tokens += event.tokens
-            stats = event.stats or stats
-        return tokens, stats
 
     greedy = GenerationSettings(max_tokens=plan.eval_max_tokens, block_size=plan.drafter_block_size, stop_token_ids=stops)
     sampled = dataclasses.replace(greedy, sampling=SamplingSettings(temperature=plan.sample_temperature))
@@ -314,7 +307,7 @@ def evaluate(plan: BuildPlan, target_dir: Path, drafter_dir: Optional[Path], pro
     ar_tokens = spec_tokens = 0
     for i, p in enumerate(prompts):
         ids = tokenizer.encode(p["prompt"], add_special_tokens=False)
-        ar, ar_stats = run(generate_autoregressive(target.runner, ids, greedy, tokenizer))
+        ar, ar_stats = collect(generate_autoregressive(target.runner, ids, greedy, tokenizer))
         row = {"source": p["source"], "prompt_tokens": len(ids), "generated": len(ar)}
         rep = repetition_rate(ar)
         ref = repetition_rate(p.get("reference_ids", [])[: len(ar)])
@@ -329,7 +322,7 @@ def evaluate(plan: BuildPlan, target_dir: Path, drafter_dir: Optional[Path], pro
         ar_time += ar_stats.decode_seconds
         ar_tokens += max(len(ar) - 1, 0)
         if drafter is not None:
-            spec, st = run(generate_speculative(target.runner, drafter, ids, greedy, tokenizer))
+            spec, st = collect(generate_speculative(target.runner, drafter, ids, greedy, tokenizer))
             same = spec == ar
             if not same:
                 first = next((j for j, (a, b) in enumerate(zip(spec, ar)) if a != b), min(len(spec), len(ar)))
@@ -341,7 +334,7 @@ def evaluate(plan: BuildPlan, target_dir: Path, drafter_dir: Optional[Path], pro
             spec_time += st.decode_seconds
             spec_tokens += max(st.generation_tokens - 1, 0)
             s_settings = dataclasses.replace(sampled, seed=plan.seed + i)
-            _, ss = run(generate_speculative(target.runner, drafter, ids, s_settings, tokenizer))
+            _, ss = collect(generate_speculative(target.runner, drafter, ids, s_settings, tokenizer))
             row["acceptance_length_t07"] = ss.acceptance_length
             totals["s"][0] += ss.cycle_tokens
             totals["s"][1] += ss.verify_steps
