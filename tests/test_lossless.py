@@ -19,10 +19,39 @@ from dflash2_mlx.engine import GenerationSettings, generate_autoregressive, gene
 from dflash2_mlx.target import TargetRunner
 
 MAX_TOKENS = 40
+# 220 random cases over 110 random prompts: a prompt's plain greedy continuation does not depend
+# on the drafter, block size or window it is compared with, so each is decoded once and checked
+# against two independently drawn speculative set-ups.
+N_PROMPTS, CASES_PER_PROMPT = 110, 2
+FORCED_PROMPT = [7, 3, 200, 41]
 
 
 def _tokens(events):
     return [t for e in events for t in e.tokens]
+
+
+@pytest.fixture(scope="module")
+def plain_greedy():
+    """plain_greedy(target, prompt, n): ``generate_autoregressive``'s first n tokens, decoded once
+    per (target, prompt) for the whole module. Greedy decoding with no stop tokens computes token
+    i the same way whatever max_tokens is, so the first n tokens of a longer run are the n-token run."""
+    memo = {}
+
+    def plain(target, prompt, n):
+        _, model = target
+        key = (id(model), tuple(prompt))
+        if len(memo.get(key, ())) < n:
+            memo[key] = _tokens(generate_autoregressive(TargetRunner(model), prompt, GenerationSettings(max_tokens=n)))
+        return memo[key][:n]
+
+    return plain
+
+
+def _random_prompts(seed, n):
+    """n (target kind, prompt) pairs; the same seed gives the same pairs in the same order."""
+    rng = random.Random(seed)
+    return [(rng.choice(["hybrid", "plain"]), [rng.randrange(0, tiny.VOCAB - 4) for _ in range(rng.randint(1, 24))])
+            for _ in range(n)]
 
 
 def _assert_identical_or_near_tie(runner, prompt, spec, plain, settings):
@@ -38,16 +67,15 @@ def _assert_identical_or_near_tie(runner, prompt, spec, plain, settings):
     assert gap < 1e-4, f"divergence at token {i}: spec {spec[i:i+3]} vs plain {plain[i:i+3]}, top-2 gap {gap:.3g} is no near-tie"
 
 
-def _case(rng: random.Random, targets, record_counts):
-    kind = rng.choice(["hybrid", "plain"])
-    cfg, model = targets[kind]
+def _case(rng: random.Random, target, prompt, plain, record_counts):
+    """One random speculative set-up (drafter version, block size, window, weights, oracle or not,
+    corruption rate) on ``prompt``, checked against its plain greedy continuation ``plain``."""
+    cfg, model = target
     runner = TargetRunner(model)
     version = rng.choice([1, 2])
     block = rng.randint(2, 16)
     window = rng.choice([None, None, 5, 12])
-    prompt = [rng.randrange(0, tiny.VOCAB - 4) for _ in range(rng.randint(1, 24))]
     settings = GenerationSettings(max_tokens=MAX_TOKENS, block_size=block)
-    plain = _tokens(generate_autoregressive(runner, prompt, settings))
     dcfg = tiny.drafter_config(cfg, version=version, block_size=16, sliding_window=window)
     base = tiny.build_drafter(dcfg, seed=rng.randrange(1000))
     if rng.random() < 0.8:
@@ -71,16 +99,21 @@ def _case(rng: random.Random, targets, record_counts):
     assert stats.acceptance_length == pytest.approx((len(spec) - 1) / stats.verify_steps)
 
 
-def test_speculative_greedy_equals_plain_greedy_on_220_random_cases(hybrid_target, plain_target):
+def test_speculative_greedy_equals_plain_greedy_on_220_random_cases(hybrid_target, plain_target, plain_greedy):
     targets = {"hybrid": hybrid_target, "plain": plain_target}
     rng = random.Random(20261202)
     seen = defaultdict(set)
-    for _ in range(220):
-        _case(rng, targets, seen)
+    cases = 0
+    for kind, prompt in _random_prompts(20261202, N_PROMPTS):
+        plain = plain_greedy(targets[kind], prompt, MAX_TOKENS)
+        for _ in range(CASES_PER_PROMPT):
+            _case(rng, targets[kind], prompt, plain, seen)
+            cases += 1
+    assert cases == 220
     _assert_full_coverage(seen)
 
 
-def test_lossless_through_the_compiled_kernel_bodies(hybrid_target, plain_target):
+def test_lossless_through_the_compiled_kernel_bodies(hybrid_target, plain_target, plain_greedy):
     """The same property with the conv and selector running the .metal bodies compiled for the CPU."""
     from kernel_harness import harness
 
@@ -97,12 +130,16 @@ def test_lossless_through_the_compiled_kernel_bodies(hybrid_target, plain_target
             return fn(*args)
         return run
 
+    # 40 of the same random prompts (their plain continuations are decoded once, without the
+    # override: the target never calls these kernels), each with its own random set-up
+    prompts = _random_prompts(20261202, 40)
+    references = [plain_greedy(targets[kind], prompt, MAX_TOKENS) for kind, prompt in prompts]
     with kernels.override(**{k: counted(k, f) for k, f in harness.harness_kernels().items()}):
         assert set(kernels.active_kernels().values()) == {"override"}
-        for _ in range(40):
-            _case(rng, targets, seen)
+        for (kind, prompt), plain in zip(prompts, references):
+            _case(rng, targets[kind], prompt, plain, seen)
         for block in range(2, 17):  # every accepted count 0..B-1 for every B, through the kernels
-            _forced_accepted_counts(hybrid_target if block % 2 else plain_target, block)
+            _forced_accepted_counts(hybrid_target if block % 2 else plain_target, block, plain_greedy)
     assert calls["two_tap_conv"] > 0 and calls["select_greedy"] > 0
 
 
@@ -114,18 +151,19 @@ def _assert_full_coverage(seen):
 
 
 @pytest.mark.parametrize("block", range(2, 17))
-def test_every_accepted_count_occurs_for_every_block_size(hybrid_target, block):
+def test_every_accepted_count_occurs_for_every_block_size(hybrid_target, plain_greedy, block):
     """For each B, drive accepted counts 0..B-1 on purpose with corruption offsets."""
-    _forced_accepted_counts(hybrid_target, block)
+    _forced_accepted_counts(hybrid_target, block, plain_greedy)
 
 
-def _forced_accepted_counts(target, block, version=2):
+def _forced_accepted_counts(target, block, plain_greedy, version=2):
     cfg, model = target
     runner = TargetRunner(model)
-    prompt = [7, 3, 200, 41]
+    prompt = FORCED_PROMPT
     n_tokens = block * (block + 1) + 4
     settings = GenerationSettings(max_tokens=n_tokens, block_size=block)
-    plain = _tokens(generate_autoregressive(runner, prompt, settings))
+    plain = plain_greedy(target, prompt, 16 * 17 + 4)[:n_tokens]  # one decode serves every B
+    assert len(plain) == n_tokens
     continuation = prompt + plain
     # cycle c starts at committed position s; corrupting s+1+a makes exactly a accepted
     dcfg = tiny.drafter_config(cfg, version=version, block_size=16)
