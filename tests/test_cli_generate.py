@@ -1,10 +1,19 @@
-"""`dflash2-mlx generate`, run as a user runs it: a real process, checkpoints on disk."""
+"""`dflash2-mlx generate`, run as a user runs it: a real process, checkpoints on disk.
+
+The bad-input cases run the same console entry point (``main()``, which turns errors into one
+line) in this process, capturing file descriptors 1 and 2, so each case does not pay a fresh
+interpreter's start-up; one of them still runs in a real process.
+"""
 
 from __future__ import annotations
 
 import json
+import logging
 import subprocess
 import sys
+import warnings
+
+import pytest
 
 
 def run(*args, timeout=120):
@@ -58,21 +67,53 @@ def _one_line_error(result):
     return lines[0]
 
 
-def test_bad_input_ends_in_one_line(tiny_checkpoints, tmp_path):
+@pytest.fixture
+def run_in_process(capfd, caplog, monkeypatch):
+    """run_in_process(*args): ``dflash2-mlx *args`` through the console entry point ``main()`` in
+    this process -> a CompletedProcess-like result: the exit code, what reached fds 1 and 2, and on
+    stderr also what a fresh interpreter would have printed there but pytest intercepts (Python
+    warnings under the interpreter's default filters, log records at WARNING and above)."""
+    from dflash2_mlx.cli.app import main
+
+    def run_main(*args):
+        capfd.readouterr()  # drop anything written before
+        caplog.clear()
+        monkeypatch.setattr(sys, "argv", ["dflash2-mlx", *args])
+        code = 0
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.resetwarnings()
+            warnings.simplefilter("always")
+            for category in (DeprecationWarning, PendingDeprecationWarning, ImportWarning, ResourceWarning):
+                warnings.filterwarnings("ignore", category=category)
+            try:
+                main()
+            except SystemExit as e:
+                code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
+        out, err = capfd.readouterr()
+        err += "".join(warnings.formatwarning(w.message, w.category, w.filename, w.lineno) for w in caught)
+        err += "".join(f"{r.levelname}: {r.getMessage()}\n" for r in caplog.records if r.levelno >= logging.WARNING)
+        return subprocess.CompletedProcess(["dflash2-mlx", *args], code, out, err)
+
+    return run_main
+
+
+def test_bad_input_ends_in_one_line(tiny_checkpoints, tmp_path, run_in_process):
     target, drafter = tiny_checkpoints
     base = ["generate", "--prompt", "x"]
-    assert "does not exist" in _one_line_error(run(*base, "--model", str(tmp_path / "nope"), "--no-draft"))
-    assert "--draft-model" in _one_line_error(run(*base, "--model", str(target)))
-    assert "drafter" in _one_line_error(run(*base, "--model", str(drafter), "--no-draft"))
-    assert "block-size" in _one_line_error(run(*base, "--model", str(target), "--draft-model", str(drafter), "--block-size", "9"))
-    assert "top_p" in _one_line_error(run(*base, "--model", str(target), "--no-draft", "--top-p", "0"))
-    assert "max-tokens" in _one_line_error(run(*base, "--model", str(target), "--no-draft", "--max-tokens", "0"))
+    # one case as a real process: exit code and stderr exactly as a user sees them
     assert "No such option" in _one_line_error(run(*base, "--bogus"))
+    cli = run_in_process  # the other cases: the same entry point, in this process
+    assert "does not exist" in _one_line_error(cli(*base, "--model", str(tmp_path / "nope"), "--no-draft"))
+    assert "--draft-model" in _one_line_error(cli(*base, "--model", str(target)))
+    assert "drafter" in _one_line_error(cli(*base, "--model", str(drafter), "--no-draft"))
+    assert "block-size" in _one_line_error(cli(*base, "--model", str(target), "--draft-model", str(drafter), "--block-size", "9"))
+    assert "top_p" in _one_line_error(cli(*base, "--model", str(target), "--no-draft", "--top-p", "0"))
+    assert "max-tokens" in _one_line_error(cli(*base, "--model", str(target), "--no-draft", "--max-tokens", "0"))
     # a drafter made for another target (hidden size 32 instead of 64)
     import tiny
 
     other = tiny.save_drafter(tiny.build_drafter(tiny.drafter_config(tiny.plain_config(hidden=32))), tmp_path / "other")
-    line = _one_line_error(run(*base, "--model", str(target), "--draft-model", str(other)))
+    line = _one_line_error(cli(*base, "--model", str(target), "--draft-model", str(other)))
     assert "32" in line and "64" in line and "another target" in line
     # a corrupt weight file
     broken = tmp_path / "broken"
@@ -81,14 +122,15 @@ def test_bad_input_ends_in_one_line(tiny_checkpoints, tmp_path):
         (broken / f.name).write_bytes(f.read_bytes())
     weights = broken / "model.safetensors"
     weights.write_bytes(weights.read_bytes()[: weights.stat().st_size // 2])
-    assert "corrupt" in _one_line_error(run(*base, "--model", str(target), "--draft-model", str(broken)))
+    assert "corrupt" in _one_line_error(cli(*base, "--model", str(target), "--draft-model", str(broken)))
     # a prompt longer than the context (the tiny target's context is 4096 tokens)
-    assert "context" in _one_line_error(run("generate", "--model", str(target), "--no-draft", "--ignore-chat-template",
+    assert "context" in _one_line_error(cli("generate", "--model", str(target), "--no-draft", "--ignore-chat-template",
                                             "--prompt", "ab" * 2100))
 
 
 def test_doctor_reports_backend_blas_and_kernels():
-    out = run("doctor")
+    # --no-self-test: test_cli_demo_bench runs the full `doctor` and checks its self-test line
+    out = run("doctor", "--no-self-test")
     assert out.returncode == 0, out.stderr
     for key in ("MLX", "BLAS", "kernels", "two_tap_conv: reference", "select_greedy: reference", "model cache"):
         assert key in out.stdout
