@@ -17,59 +17,117 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.models.rope_utils import initialize_rope
 
-from . import kernels
+from . import cpu_attention, kernels
 from .config import DrafterConfig
 from .selector import CandidateSelector
 
 
 class ContextCache:
-    """Per-layer K/V of the drafter's context rows (projected target features).
+    """Per-layer K/V of the drafter's context rows (projected target features), in fixed buffers.
 
-    Only committed positions enter; the block's own K/V are never stored. A layer with a sliding
-    window W keeps its last W-1 rows, which is all any later block row can see.
+    Only committed positions enter; the block's own K/V are never stored. Rows live in buffers
+    [1, Hkv, C, D] whose capacity C doubles (from ``MIN_CAPACITY``) up to ``limit``, the rows any
+    later block can still see (the drafter's context window, W-1; None: unbounded), and then wraps
+    around as a ring. A cycle writes only its new rows, and the block step sees the same shapes
+    cycle after cycle: that is what lets it be compiled and keeps its cost flat at long context.
+    ``positions`` [C] holds each slot's absolute position (-1: empty); the masks come from it.
     """
 
-    def __init__(self, windows: list[Optional[int]]):
-        self.windows = windows
-        self.keys: list[Optional[mx.array]] = [None] * len(windows)
-        self.values: list[Optional[mx.array]] = [None] * len(windows)
-        self.offset = 0  # absolute position of the next context row
+    MIN_CAPACITY = 256
 
-    def append(self, layer: int, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
-        if self.keys[layer] is not None:
-            keys = mx.concatenate([self.keys[layer], keys], axis=2)
-            values = mx.concatenate([self.values[layer], values], axis=2)
-        window = self.windows[layer]
-        if window is not None and keys.shape[2] > window:
-            keys, values = keys[:, :, -window:], values[:, :, -window:]
-        self.keys[layer], self.values[layer] = keys, values
-        return keys, values
+    def __init__(self, limit: Optional[int]):
+        self.limit = limit
+        self.keys: list[mx.array] = []  # per layer [1, Hkv, C, D]
+        self.values: list[mx.array] = []
+        self.positions: Optional[mx.array] = None  # [C] int32
+        self.offset = 0  # absolute position of the next context row
+        self.start = 0  # the position whose row is in slot 0 (slot of p: (p - start) % C)
+
+    @property
+    def capacity(self) -> int:
+        return 0 if self.positions is None else self.positions.shape[0]
+
+    def write(self, rows: list[tuple[mx.array, mx.array]]) -> None:
+        """Store per layer the K/V [1, Hkv, n, D] of positions offset..offset+n-1."""
+        n = rows[0][0].shape[2]
+        if self.limit is not None and n > self.limit:  # only the last `limit` can be seen again
+            self.skip(n - self.limit)
+            rows = [(k[:, :, n - self.limit :], v[:, :, n - self.limit :]) for k, v in rows]
+            n = self.limit
+        needed = self.offset + n - self.start
+        if needed > self.capacity and (self.limit is None or self.capacity < self.limit):
+            self._grow(needed, rows)
+        capacity = self.capacity
+        first = (self.offset - self.start) % capacity
+        pieces = [(first, 0, min(n, capacity - first))]  # (slot, row from, row to): at most one wrap
+        if n > capacity - first:
+            pieces.append((0, capacity - first, n))
+        for slot, lo, hi in pieces:
+            at = mx.array([0, 0, slot, 0], dtype=mx.int32)
+            for layer, (k, v) in enumerate(rows):
+                # slice_update makes a new array: copies (prefix cache snapshots) keep theirs
+                self.keys[layer] = mx.slice_update(self.keys[layer], k[:, :, lo:hi], at, (0, 1, 2, 3))
+                self.values[layer] = mx.slice_update(self.values[layer], v[:, :, lo:hi], at, (0, 1, 2, 3))
+            pos = mx.arange(self.offset + lo, self.offset + hi, dtype=mx.int32)
+            self.positions = mx.slice_update(self.positions, pos, mx.array([slot], dtype=mx.int32), (0,))
+        self.offset += n
+
+    def _grow(self, needed: int, rows: list[tuple[mx.array, mx.array]]) -> None:
+        capacity = max(self.MIN_CAPACITY, self.capacity)
+        while capacity < needed:
+            capacity *= 2
+        if self.limit is not None:
+            capacity = min(capacity, self.limit)
+        old = self.capacity  # rows are still in slots 0..old-1 in order: a ring wraps only at the limit
+        keys, values = [], []
+        for layer, (k, _) in enumerate(rows):
+            shape = (1, k.shape[1], capacity, k.shape[3])
+            grown_k, grown_v = mx.zeros(shape, dtype=k.dtype), mx.zeros(shape, dtype=k.dtype)
+            if old:
+                grown_k[:, :, :old] = self.keys[layer]
+                grown_v[:, :, :old] = self.values[layer]
+            keys.append(grown_k)
+            values.append(grown_v)
+        positions = mx.full((capacity,), -1, dtype=mx.int32)
+        if old:
+            positions[:old] = self.positions
+        self.keys, self.values, self.positions = keys, values, positions
 
     def skip(self, rows: int) -> None:
         """Advance past ``rows`` positions that no later block row can see.
 
         Only valid when every layer is windowed and the skipped rows are at least a window
-        long: then nothing cached before them is visible anymore either, and it is dropped so
-        that the kept rows stay contiguous positions.
+        long: then nothing cached before them is visible anymore either, and it is dropped.
         """
         if rows <= 0:
             return
         self.offset += rows
-        self.keys = [None] * len(self.keys)
-        self.values = [None] * len(self.values)
+        self.start = self.offset
+        if self.positions is not None:
+            self.positions = mx.full(self.positions.shape, -1, dtype=mx.int32)
+
+    def ordered(self, layer: int) -> tuple[mx.array, mx.array, mx.array]:
+        """The stored rows of one layer in position order: keys, values [1, Hkv, n, D], positions [n]."""
+        if self.positions is None:
+            return None, None, mx.zeros((0,), dtype=mx.int32)
+        order = [int(i) for i in mx.argsort(self.positions).tolist() if int(self.positions[i].item()) >= 0]
+        idx = mx.array(order, dtype=mx.int32)
+        return self.keys[layer][:, :, idx], self.values[layer][:, :, idx], self.positions[idx]
 
     @property
     def state(self) -> list:
-        return [self.keys, self.values, self.offset]
+        return [self.keys, self.values, self.positions]
 
     def copy(self) -> "ContextCache":
-        other = ContextCache(list(self.windows))
-        other.keys, other.values, other.offset = list(self.keys), list(self.values), self.offset
+        other = ContextCache(self.limit)
+        other.keys, other.values = list(self.keys), list(self.values)
+        other.positions, other.offset, other.start = self.positions, self.offset, self.start
         return other
 
     @property
     def nbytes(self) -> int:
-        return sum(a.nbytes for a in self.keys + self.values if a is not None)
+        arrays = self.keys + self.values + ([self.positions] if self.positions is not None else [])
+        return sum(a.nbytes for a in arrays)
 
 
 class DrafterAttention(nn.Module):
@@ -88,50 +146,45 @@ class DrafterAttention(nn.Module):
         self.q_norm = nn.RMSNorm(hd, eps=config.rms_norm_eps)
         self.k_norm = nn.RMSNorm(hd, eps=config.rms_norm_eps)
 
-    def _keys_values(self, x: mx.array, rope, offset: int) -> tuple[mx.array, mx.array]:
+    def keys_values(self, x: mx.array, rope, offset) -> tuple[mx.array, mx.array]:
+        """K/V [1, Hkv, L, D] of rows x [1, L, H] at positions offset.. (int or int32 array)."""
         b, length, _ = x.shape
         keys = self.k_norm(self.k_proj(x).reshape(b, length, self.n_kv_heads, -1))
         values = self.v_proj(x).reshape(b, length, self.n_kv_heads, -1)
         keys = rope(keys.transpose(0, 2, 1, 3), offset=offset)
         return keys, values.transpose(0, 2, 1, 3)
 
-    def __call__(self, x, context, rope, cache: Optional[ContextCache], block_pos, anchors=None) -> mx.array:
-        if anchors is not None:
-            return self._train(x, context, rope, anchors)
-        # x: [1, L, H] block rows at positions block_pos..; context: [1, n, H] new context rows
-        # at positions block_pos-n..block_pos-1.
+    def __call__(self, x, rope, block_pos, ctx_keys=None, ctx_values=None, ctx_positions=None) -> mx.array:
+        # x: [1, L, H] block rows at positions block_pos.. (int32 scalar array); ctx_*: this
+        # layer's context buffers [1, Hkv, C, D] and their slots' positions [C] (None: no context).
         b, length, _ = x.shape
         queries = self.q_norm(self.q_proj(x).reshape(b, length, self.n_heads, -1))
         queries = rope(queries.transpose(0, 2, 1, 3), offset=block_pos)
-        if context is not None and context.shape[1] > 0:
-            ctx_k, ctx_v = self._keys_values(context, rope, block_pos - context.shape[1])
-            ctx_k, ctx_v = cache.append(self.layer, ctx_k, ctx_v)
-        else:
-            ctx_k, ctx_v = cache.keys[self.layer], cache.values[self.layer]
-        blk_k, blk_v = self._keys_values(x, rope, block_pos)
-        if ctx_k is None:
-            keys, values, ctx_len = blk_k, blk_v, 0
-        else:
-            keys = mx.concatenate([ctx_k, blk_k], axis=2)
-            values = mx.concatenate([ctx_v, blk_v], axis=2)
-            ctx_len = ctx_k.shape[2]
-        mask = self._mask(length, ctx_len)
-        out = mx.fast.scaled_dot_product_attention(queries, keys, values, scale=self.scale, mask=mask)
+        keys, values = self.keys_values(x, rope, block_pos)
+        mask = self._block_visibility(length)
+        if ctx_keys is not None:
+            keys = mx.concatenate([ctx_keys, keys], axis=2)
+            values = mx.concatenate([ctx_values, values], axis=2)
+            mask = mx.concatenate([self._context_visibility(ctx_positions, block_pos, length), mask], axis=-1)
+        out = cpu_attention.attention(queries, keys, values, self.scale, mask)
         return self.o_proj(out.transpose(0, 2, 1, 3).reshape(b, length, -1))
 
-    def absorb(self, context: mx.array, rope, cache: ContextCache) -> None:
-        """Append projected context rows [1, n, H] at positions cache.offset.. (no block)."""
-        keys, values = self._keys_values(context, rope, cache.offset)
-        cache.append(self.layer, keys, values)
+    def _context_visibility(self, positions: mx.array, block_pos: mx.array, length: int) -> mx.array:
+        """[L, C]: which context slots each block row sees (filled ones, within the window)."""
+        visible = positions[None] >= 0
+        if self.window is not None:
+            query = block_pos + mx.arange(length, dtype=mx.int32)[:, None]
+            visible = visible & (query - positions[None] < self.window)
+        return mx.broadcast_to(visible, (length, positions.shape[0]))
 
-    def _train(self, x: mx.array, context: mx.array, rope, anchors: mx.array) -> mx.array:
+    def train(self, x: mx.array, context: mx.array, rope, anchors: mx.array) -> mx.array:
         # Training: N blocks of one sequence at once. x: [N, L, H], block n at positions
         # anchors[n]..; context: [1, S, H] for positions 0..S-1, of which block n sees p < anchors[n].
         n, length, _ = x.shape
         queries = self.q_norm(self.q_proj(x).reshape(n, length, self.n_heads, -1))
         queries = rope(queries.transpose(0, 2, 1, 3), offset=anchors)
-        ctx_k, ctx_v = self._keys_values(context, rope, 0)
-        blk_k, blk_v = self._keys_values(x, rope, anchors)
+        ctx_k, ctx_v = self.keys_values(context, rope, 0)
+        blk_k, blk_v = self.keys_values(x, rope, anchors)
         ctx_len = ctx_k.shape[2]
         keys = mx.concatenate([mx.broadcast_to(ctx_k, (n, *ctx_k.shape[1:])), blk_k], axis=2)
         values = mx.concatenate([mx.broadcast_to(ctx_v, (n, *ctx_v.shape[1:])), blk_v], axis=2)
@@ -157,19 +210,6 @@ class DrafterAttention(nn.Module):
         if self.window is not None:
             visible = visible & (query - key < self.window) & (key - query < self.window)
         return visible
-
-    def _mask(self, length: int, ctx_len: int) -> Optional[mx.array]:
-        # Context rows are the ctx_len positions right before the block, so index distance in
-        # [context ; block] is position distance.
-        needs_window = self.window is not None and ctx_len + length > self.window
-        if not self.causal and not needs_window:
-            return None
-        query = ctx_len + mx.arange(length)[:, None]
-        ctx = mx.arange(ctx_len)[None]
-        see_ctx = mx.ones((length, ctx_len), dtype=mx.bool_)
-        if self.window is not None:
-            see_ctx = query - ctx < self.window
-        return mx.concatenate([see_ctx, self._block_visibility(length)], axis=-1)
 
 
 class DrafterMLP(nn.Module):
@@ -219,13 +259,14 @@ class DrafterLayer(nn.Module):
             self.mlp_conv = TwoTapConv(config.hidden_size, taps, group)
         self.has_convs = config.is_dflash2
 
-    def __call__(self, x, context, rope, cache, block_pos, anchors=None):
+    def __call__(self, x: mx.array, attend: Callable[[DrafterAttention, mx.array], mx.array]) -> mx.array:
+        """``attend(self_attn, h)`` runs the attention sublayer (inference or training form)."""
         h = self.input_layernorm(x)
         if self.has_convs:
             h, dynamic = self.attention_conv.prepare(h)
-            h = self.attention_conv.finish(self.self_attn(h, context, rope, cache, block_pos, anchors), dynamic)
+            h = self.attention_conv.finish(attend(self.self_attn, h), dynamic)
         else:
-            h = self.self_attn(h, context, rope, cache, block_pos, anchors)
+            h = attend(self.self_attn, h)
         x = x + h
         h = self.post_attention_layernorm(x)
         if self.has_convs:
@@ -260,39 +301,61 @@ class Drafter(nn.Module):
             scaling_config=config.rope_scaling,
             max_position_embeddings=config.max_position_embeddings,
         )
+        # kept out of the module's parameter tree (nn.Module stores dict attributes in it)
+        object.__setattr__(self, "_compiled_fns", {})
 
     def make_cache(self) -> ContextCache:
-        return ContextCache(
-            [self.config.sliding_window - 1 if self.config.layer_is_sliding(i) else None
-             for i in range(self.config.num_hidden_layers)]
-        )
+        return ContextCache(self.config.context_window)
 
     def __call__(self, block_embeds: mx.array, features: Optional[mx.array], cache: ContextCache) -> mx.array:
         """Final-normed hidden rows of the block.
 
         block_embeds: [1, B, H], the target's embeddings of [anchor, MASK, ...] (times
         ``input_embedding_scale``); features: [1, n, T*H], tapped target hidden states of the
-        n positions committed since the last call (they enter the context cache).
+        n positions committed since the last call (they enter the context cache first).
         """
-        context = None
-        if features is not None and features.shape[1] > 0:
-            context = self.hidden_norm(self.fc(features))
-        block_pos = cache.offset + (0 if context is None else context.shape[1])
-        h = block_embeds
-        for layer in self.layers:
-            h = layer(h, context, self._rope, cache, block_pos)
-        cache.offset = block_pos
-        return self.norm(h)
+        self.absorb(features, cache)
+        block_pos = mx.array(cache.offset, dtype=mx.int32)
+        if cache.capacity == 0:
+            return self._block_step(block_embeds, block_pos)
+        step = self._compiled("block", self._block_step)
+        return step(block_embeds, block_pos, cache.keys, cache.values, cache.positions)
 
-    def absorb(self, features: mx.array, cache: ContextCache) -> None:
+    def absorb(self, features: Optional[mx.array], cache: ContextCache) -> None:
         """Move the target features of newly committed positions [1, n, T*H] into the context
-        cache without drafting (prefill; prefix snapshots)."""
+        cache (each cycle's accepted rows; prefill chunks; prefix snapshots)."""
         if features is None or features.shape[1] == 0:
             return
+        offset = mx.array(cache.offset, dtype=mx.int32)
+        # a cycle's rows (n <= block size) take a compiled path; prefill chunks, whose lengths
+        # vary with the prompt, do not (each new shape would be traced and kept)
+        project = self._context_rows
+        if features.shape[1] <= max(self.config.block_size, 16):
+            project = self._compiled("context", self._context_rows)
+        cache.write(project(features, offset))
+
+    def _context_rows(self, features: mx.array, offset: mx.array) -> list[tuple[mx.array, mx.array]]:
         context = self.hidden_norm(self.fc(features))
-        for layer in self.layers:
-            layer.self_attn.absorb(context, self._rope, cache)
-        cache.offset += features.shape[1]
+        return [layer.self_attn.keys_values(context, self._rope, offset) for layer in self.layers]
+
+    def _block_step(self, block_embeds, block_pos, keys=None, values=None, positions=None) -> mx.array:
+        h = block_embeds
+        for i, layer in enumerate(self.layers):
+            ctx = (keys[i], values[i], positions) if keys is not None else ()
+            h = layer(h, lambda attn, x: attn(x, self._rope, block_pos, *ctx))
+        return self.norm(h)
+
+    def _compiled(self, name: str, fn: Callable) -> Callable:
+        """``fn`` compiled (one trace per input shape), or ``fn`` itself while kernel overrides are
+        active (tests route kernels through callbacks that need concrete arrays)."""
+        if "override" in kernels.active_kernels().values():
+            return fn
+        compiled = self._compiled_fns.get(name)
+        if compiled is None:
+            kernels.prepare()  # Metal self-checks must run eagerly, never inside a trace
+            # the parameters are inputs, so a drafter updated in place (training) is seen
+            compiled = self._compiled_fns[name] = mx.compile(fn, inputs=self.state)
+        return compiled
 
     def train_forward(self, block_embeds: mx.array, features: mx.array, anchors: mx.array) -> mx.array:
         """Final-normed hidden rows of N blocks drafted from one sequence, in one pass (training).
@@ -305,7 +368,7 @@ class Drafter(nn.Module):
         context = self.hidden_norm(self.fc(features))
         h = block_embeds
         for layer in self.layers:
-            h = layer(h, context, self._rope, None, None, anchors)
+            h = layer(h, lambda attn, x: attn.train(x, context, self._rope, anchors))
         return self.norm(h)
 
     def logits(self, hidden: mx.array, lm_head: Callable[[mx.array], mx.array]) -> mx.array:

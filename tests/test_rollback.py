@@ -84,11 +84,44 @@ def test_drafter_context_cache_is_incremental(hybrid_target, window):
         out_parts = drafter(block, features[:, lo:hi], parts)
     assert parts.offset == whole.offset == 14
     for layer in range(dcfg.num_hidden_layers):
-        kept = parts.keys[layer].shape[2]
-        assert kept == (14 if window is None else window - 1)  # the block's own K/V never enter
-        np.testing.assert_allclose(np.array(parts.keys[layer]), np.array(whole.keys[layer]), atol=1e-5)
-        np.testing.assert_allclose(np.array(parts.values[layer]), np.array(whole.values[layer]), atol=1e-5)
+        keys, values, positions = parts.ordered(layer)
+        whole_keys, whole_values, whole_positions = whole.ordered(layer)
+        kept = 14 if window is None else window - 1  # the block's own K/V never enter
+        assert positions.tolist() == whole_positions.tolist() == list(range(14 - kept, 14))
+        np.testing.assert_allclose(np.array(keys), np.array(whole_keys), atol=1e-5)
+        np.testing.assert_allclose(np.array(values), np.array(whole_values), atol=1e-5)
     np.testing.assert_allclose(np.array(out_parts), np.array(out_whole), atol=1e-5)
+
+
+@pytest.mark.parametrize("window", [None, 20])
+def test_drafter_context_buffer_grows_and_wraps_without_changing_the_draft(hybrid_target, window):
+    """Cycle-sized writes that grow the buffer past its first capacity (unbounded) or wrap the
+    ring many times (window 20) leave the same visible rows, and the same block output, as
+    feeding those rows to a fresh cache at once."""
+    cfg, _ = hybrid_target
+    dcfg = tiny.drafter_config(cfg, version=2, sliding_window=window)
+    drafter = tiny.build_drafter(dcfg)
+    total = 300
+    features = mx.random.normal((1, total, len(dcfg.target_layer_ids) * dcfg.hidden_size))
+    block = mx.random.normal((1, 8, dcfg.hidden_size))
+    cycled = drafter.make_cache()
+    pos, rng = 0, random.Random(0)
+    while pos < total:
+        n = min(rng.randint(1, 8), total - pos)
+        out_cycled = drafter(block, features[:, pos : pos + n], cycled)
+        pos += n
+    assert cycled.capacity == (512 if window is None else window - 1)
+    fresh = drafter.make_cache()
+    first = 0 if window is None else total - (window - 1)
+    fresh.skip(first)
+    out_fresh = drafter(block, features[:, first:], fresh)
+    for layer in range(dcfg.num_hidden_layers):
+        keys, values, positions = cycled.ordered(layer)
+        fresh_keys, fresh_values, fresh_positions = fresh.ordered(layer)
+        assert positions.tolist() == fresh_positions.tolist() == list(range(first, total))
+        np.testing.assert_allclose(np.array(keys), np.array(fresh_keys), atol=1e-5)
+        np.testing.assert_allclose(np.array(values), np.array(fresh_values), atol=1e-5)
+    np.testing.assert_allclose(np.array(out_cycled), np.array(out_fresh), atol=1e-5)
 
 
 def test_walked_gated_deltanet_equals_mlx_lm_bit_for_bit(hybrid_target):
@@ -143,9 +176,9 @@ def test_kept_step_states_are_mlx_lms_recurrence_bit_for_bit(steps):
     state = mx.array(rng.normal(size=(1, Hv, Dv, Dk)).astype(np.float32))
     out, states = gated_delta_with_states(q, k, v, a, b, A_log, dt_bias, state)
     ref_out, ref_state = gated_delta_update(q, k, v, a, b, A_log, dt_bias, state)
-    assert len(states) == steps
-    assert mx.array_equal(out, ref_out) and mx.array_equal(states[-1], ref_state)
+    assert states.shape[1] == steps
+    assert mx.array_equal(out, ref_out) and mx.array_equal(states[:, -1], ref_state)
     for t in range(steps):
         _, prefix_state = gated_delta_update(q[:, : t + 1], k[:, : t + 1], v[:, : t + 1], a[:, : t + 1], b[:, : t + 1],
                                              A_log, dt_bias, state)
-        assert mx.array_equal(states[t], prefix_state)
+        assert mx.array_equal(states[:, t], prefix_state)
