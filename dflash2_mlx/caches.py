@@ -33,7 +33,7 @@ class RecurrentInputs:
     state: Optional[mx.array]  # [1, Hv, Dv, Dk] before the pass (None: zeros)
     A_log: mx.array
     dt_bias: mx.array
-    states: Optional[list[mx.array]] = None  # the state after each of the S steps, when the pass kept them
+    states: Optional[mx.array] = None  # [1, S, Hv, Dv, Dk]: the state after each step, when the pass kept them
 
 
 class TargetCache:
@@ -67,7 +67,7 @@ class TargetCache:
                 continue
             rec = next(gdn_inputs)
             if rec.states is not None:  # the pass kept every step's state: nothing to recompute
-                state = rec.states[keep - 1]
+                state = rec.states[:, keep - 1]
             else:
                 _, state = gated_delta_update(
                     rec.q[:, :keep], rec.k[:, :keep], rec.v[:, :keep],

@@ -383,6 +383,9 @@ def generate_speculative(
         block_embeds = runner.embed(block) * cfg.input_embedding_scale
         hidden = drafter(block_embeds, new_features, context)[:, 1:]  # [1, bs-1, H]
         draft_logits = drafter.logits(hidden, runner.lm_head)  # [1, bs-1, V]
+        # Start computing the draft while Python builds the selector's and the verify pass's
+        # graphs (mlx is lazy: without this nothing runs until the cycle's one host sync).
+        mx.async_eval(hidden, draft_logits)
         if prof:
             prof.mark("draft", draft_logits)
         candidates = q = None
@@ -399,6 +402,7 @@ def generate_speculative(
             q = probabilities(draft_logits[0], sampling)
             draft = sample(q)
         draft = draft.astype(mx.int32)  # [bs-1]
+        mx.async_eval(draft)
         if prof:
             prof.mark("select", draft)
         # Verify: the target runs [anchor, d1..d(bs-1)] in one pass.

@@ -82,22 +82,42 @@ def reference_two_tap_conv(x: mx.array, dynamic: mx.array, base: mx.array) -> mx
     taps, groups = dynamic.shape[-2], dynamic.shape[-1]
     group_size = hidden // groups
     xf = x.astype(mx.float32).reshape(n, length, groups, group_size)
-    dyn = dynamic.astype(mx.float32)
-    out = mx.zeros_like(xf)
-    for j in range(taps):
-        shifted = xf if j == 0 else mx.concatenate(
-            [mx.zeros_like(xf[:, :j]), xf[:, : length - j]], axis=1
-        )
-        kernel = base[j].astype(mx.float32).reshape(1, 1, groups, group_size)
-        out = out + (kernel + dyn[:, :, j, :, None]) * shifted
-    return out.reshape(n, length, hidden).astype(x.dtype)
+    # Tap j of row t multiplies x[t - j] (zero before the block's first row): K-1 zero rows in
+    # front, then each row's K rows x[t-K+1..t] viewed as a window, taps in reverse order.
+    padded = mx.concatenate([mx.zeros((n, taps - 1, groups, group_size), mx.float32), xf], axis=1)
+    windows = mx.as_strided(
+        padded, (n, length, taps, groups, group_size),
+        ((length + taps - 1) * hidden, hidden, hidden, group_size, 1),
+    )
+    kernel = base.astype(mx.float32)[::-1].reshape(1, 1, taps, groups, group_size)
+    kernel = kernel + dynamic.astype(mx.float32)[:, :, ::-1, :, None]
+    return (kernel * windows).sum(axis=2).reshape(n, length, hidden).astype(x.dtype)
 
 
-def _row_scores(previous, unary_row, hidden_row, cand_row, pred_cb, succ_cb):
-    # previous: [N] token ids; hidden_row: [N, r]; cand_row / unary_row: [N, k]
-    left = pred_cb[previous].astype(mx.float32) * hidden_row.astype(mx.float32)  # [N, r]
-    right = succ_cb[cand_row].astype(mx.float32)  # [N, k, r]
-    return unary_row.astype(mx.float32) + (right @ left[:, :, None])[..., 0]
+def _pair_scores(anchor, candidates, unary, hidden, pred_cb, succ_cb):
+    """Every row's candidate scores for every possible predecessor, in one batch (float32):
+    row 0 after the anchor [N, 1, 1, k], and row i after each candidate a of row i-1
+    [N, R-1, k (a), k (b)]. The walks below then only pick rows of these."""
+    h = hidden.astype(mx.float32)
+    u = unary.astype(mx.float32)
+    succ = succ_cb[candidates].astype(mx.float32)  # [N, R, k, r]
+    anchor_left = pred_cb[anchor.astype(mx.int32)].astype(mx.float32) * h[:, 0]  # [N, r]
+    first = u[:, 0] + (succ[:, 0] @ anchor_left[:, :, None])[..., 0]  # [N, k]
+    left = pred_cb[candidates[:, :-1]].astype(mx.float32) * h[:, 1:, None, :]  # [N, R-1, k, r]
+    pairs = u[:, 1:, None, :] + left @ succ[:, 1:].swapaxes(-1, -2)  # [N, R-1, k, k]
+    return first[:, None, None, :], pairs
+
+
+def _walk(first, pairs, choose):
+    """Follow the rows: ``choose(i, scores [N, 1, 1, k])`` returns the chosen index [N, 1, 1, 1];
+    row i's scores are those after the candidate chosen in row i-1 -> chosen indices [N, R]."""
+    choice = choose(0, first)
+    chosen = [choice]
+    rows = mx.split(pairs, pairs.shape[1], axis=1) if pairs.shape[1] else []
+    for i, row in enumerate(rows, start=1):  # row: [N, 1, k, k]
+        choice = choose(i, mx.take_along_axis(row, choice, axis=2))
+        chosen.append(choice)
+    return mx.concatenate(chosen, axis=1).reshape(first.shape[0], -1)
 
 
 def reference_select_greedy(
@@ -109,17 +129,9 @@ def reference_select_greedy(
     successor_codebook: mx.array,
 ) -> mx.array:
     """Greedy path through each row's candidates, starting from the anchor token."""
-    previous = anchor.astype(mx.int32)
-    path = []
-    for i in range(candidates.shape[1]):
-        scores = _row_scores(
-            previous, unary[:, i], hidden[:, i], candidates[:, i],
-            predecessor_codebook, successor_codebook,
-        )
-        choice = mx.argmax(scores, axis=-1)
-        previous = mx.take_along_axis(candidates[:, i], choice[:, None], axis=-1)[:, 0]
-        path.append(previous)
-    return mx.stack(path, axis=1)
+    first, pairs = _pair_scores(anchor, candidates, unary, hidden, predecessor_codebook, successor_codebook)
+    chosen = _walk(first, pairs, lambda i, scores: mx.argmax(scores, axis=-1, keepdims=True))
+    return mx.take_along_axis(candidates, chosen[..., None], axis=-1)[..., 0]
 
 
 def reference_select_sampled(
@@ -133,21 +145,20 @@ def reference_select_sampled(
     temperature: float,
 ) -> tuple[mx.array, mx.array]:
     """Sampled path plus each row's proposal distribution q over its k candidates."""
-    previous = anchor.astype(mx.int32)
     k = candidates.shape[-1]
-    path, q_rows = [], []
-    for i in range(candidates.shape[1]):
-        scores = _row_scores(
-            previous, unary[:, i], hidden[:, i], candidates[:, i],
-            predecessor_codebook, successor_codebook,
-        )
+    first, pairs = _pair_scores(anchor, candidates, unary, hidden, predecessor_codebook, successor_codebook)
+    u = uniforms.astype(mx.float32).reshape(uniforms.shape[0], -1, 1, 1)
+    q_rows = []
+
+    def draw(i, scores):
         q = mx.softmax(scores / temperature, axis=-1)
-        below = (mx.cumsum(q, axis=-1) <= uniforms[:, i, None]).astype(mx.int32)
-        choice = mx.minimum(mx.sum(below, axis=-1), k - 1)
-        previous = mx.take_along_axis(candidates[:, i], choice[:, None], axis=-1)[:, 0]
-        path.append(previous)
         q_rows.append(q)
-    return mx.stack(path, axis=1), mx.stack(q_rows, axis=1)
+        below = (mx.cumsum(q, axis=-1) <= u[:, i : i + 1]).astype(mx.int32)
+        return mx.minimum(mx.sum(below, axis=-1, keepdims=True), k - 1)
+
+    chosen = _walk(first, pairs, draw)
+    path = mx.take_along_axis(candidates, chosen[..., None], axis=-1)[..., 0]
+    return path, mx.concatenate(q_rows, axis=1).reshape(*candidates.shape)
 
 
 REFERENCES: dict[str, Callable] = {

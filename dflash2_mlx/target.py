@@ -11,11 +11,13 @@ Supported: mlx-lm models whose text stack is ``<model>.layers`` with ``embed_tok
 
 from __future__ import annotations
 
+from functools import partial
 from typing import Optional
 
 import mlx.core as mx
 import mlx.nn as nn
-from mlx_lm.models.base import create_attention_mask
+from mlx_lm.models.base import create_attention_mask, scaled_dot_product_attention
+from mlx_lm.models.qwen3_next import Qwen3NextAttention, Qwen3NextMLP
 from mlx_lm.models.gated_delta import _gated_delta_step_ops, compute_g, gated_delta_update, normalize_qk
 
 from .caches import RecurrentInputs, TargetCache
@@ -42,20 +44,33 @@ def _text_stack(model: nn.Module) -> tuple[nn.Module, nn.Module]:
 MAX_KEPT_STATE_BYTES = 64 << 20
 
 
-def _keeps_step_states(k: mx.array, v: mx.array, steps: int) -> bool:
+def _runs_ops_recurrence(gdn: nn.Module) -> bool:
     """True where mlx-lm runs the recurrence as ops step by step (no Metal kernel: its own test)."""
-    dk = k.shape[-1]
-    uses_kernel = mx.default_device() == mx.gpu and mx.metal.is_available() and dk >= 32 and dk % 32 == 0
-    hv, dv = v.shape[-2:]
-    return not uses_kernel and steps * hv * dv * dk * 4 <= MAX_KEPT_STATE_BYTES
+    dk = gdn.head_k_dim
+    return not (mx.default_device() == mx.gpu and mx.metal.is_available() and dk >= 32 and dk % 32 == 0)
 
 
-def gated_delta_with_states(q, k, v, a, b, A_log, dt_bias, state):
-    """mlx-lm's ops recurrence for a batch of one, also returning the state after every step.
+def _keeps_step_states(gdn: nn.Module, steps: int) -> bool:
+    """A verify pass keeps every step's state (for rollback without replay) on the ops path,
+    within the memory bound."""
+    size = steps * gdn.num_v_heads * gdn.head_v_dim * gdn.head_k_dim * 4
+    return _runs_ops_recurrence(gdn) and size <= MAX_KEPT_STATE_BYTES
 
-    Same ops in the same order as ``gated_delta_update`` on its ops path (mlx-lm's own step
-    function), so outputs and final state are bit for bit the same (a test pins it); rollback then
-    picks the state after the last kept step instead of replaying.
+
+# Passes of at most this many rows (decode steps, verify blocks) run compiled; prefill chunks,
+# whose lengths vary with the prompt, do not (every new shape would be traced and kept).
+COMPILED_MAX_ROWS = 16
+
+
+def gated_delta_with_states(q, k, v, a, b, A_log, dt_bias, state, keep: bool = True):
+    """mlx-lm's ops recurrence for a batch of one -> (y [B, S, Hv, Dv], the state after every step
+    [B, S, Hv, Dv, Dk]; with ``keep=False`` only the last [B, Hv, Dv, Dk]).
+
+    The same elementwise ops and reductions in the same order as mlx-lm's step function on its
+    ops path, so outputs and states are bit for bit the same (a test pins it); rollback then picks
+    the state after the last kept step instead of replaying. The inputs are split per step once
+    and kept with a singleton step axis, which saves the per-step slicing and reshaping ops that
+    dominate a verify pass on the CPU.
     """
     beta = mx.sigmoid(b)
     g = compute_g(A_log, a, dt_bias)
@@ -66,12 +81,21 @@ def gated_delta_with_states(q, k, v, a, b, A_log, dt_bias, state):
     if (repeat := Hv // Hk) > 1:
         q = mx.repeat(q, repeat, -2)
         k = mx.repeat(k, repeat, -2)
+    decay = g[..., None, None] if g.ndim == 3 else g[..., None, :]
+    qs, ks = mx.split(q[..., None, :], S, axis=1), mx.split(k[..., None, :], S, axis=1)  # [B, 1, Hv, 1, Dk]
+    vs = mx.split(v[..., None], S, axis=1)  # [B, 1, Hv, Dv, 1]
+    decays, betas = mx.split(decay, S, axis=1), mx.split(beta[..., None, None], S, axis=1)
+    state = state[:, None]  # [B, 1, Hv, Dv, Dk]
     ys, states = [], []
     for t in range(S):
-        y, state = _gated_delta_step_ops(q[:, t], k[:, t], v[:, t], g[:, t], beta[:, t], state)
-        ys.append(y)
+        state = state * decays[t]
+        kv_mem = (state * ks[t]).sum(axis=-1, keepdims=True)
+        delta = (vs[t] - kv_mem) * betas[t]
+        state = state + ks[t] * delta
+        ys.append((state * qs[t]).sum(axis=-1))
         states.append(state)
-    return mx.stack(ys, axis=1), states
+    y = mx.concatenate(ys, axis=1)
+    return (y, mx.concatenate(states, axis=1)) if keep else (y, state[:, 0])
 
 
 def gated_delta_qkv(gdn: nn.Module, conv_out: mx.array) -> tuple[mx.array, mx.array, mx.array]:
@@ -113,6 +137,13 @@ class TargetRunner:
         self.max_context = int(getattr(args, "max_position_embeddings", 0) or 0) or None
         self._tied = getattr(args, "tie_word_embeddings", False) or not hasattr(self.outer, "lm_head")
         self._attention_index = self.kinds.index("attention") if "attention" in self.kinds else None
+        # Qwen3.5/3.8 gated attention layers are walked (compiled around the KV cache update);
+        # other attention layers are called as they are
+        self._walked_attention = [
+            kind == "attention" and type(layer.self_attn) is Qwen3NextAttention and type(layer.mlp) is Qwen3NextMLP
+            for layer, kind in zip(self.layers, self.kinds)
+        ]
+        self._compiled: dict = {}  # (layer index, keeps step states) -> compiled gated_delta_layer
 
     @property
     def num_layers(self) -> int:
@@ -153,9 +184,9 @@ class TargetRunner:
         wanted = set(taps or ())
         for i, (layer, kind) in enumerate(zip(self.layers, self.kinds)):
             if kind == "gdn":
-                r = self._gated_delta_net(layer.linear_attn, layer.input_layernorm(h), cache[i], record)
-                h = h + r
-                h = h + layer.mlp(layer.post_attention_layernorm(h))
+                h = self._gated_delta_layer(i, layer, h, cache[i], record)
+            elif self._walked_attention[i]:
+                h = self._gated_attention_layer(i, layer, h, mask, cache[i])
             else:
                 h = layer(h, mask=mask, cache=cache[i])
             if i in wanted:
@@ -167,34 +198,104 @@ class TargetRunner:
         features = mx.concatenate([tapped[i] for i in taps], axis=-1) if taps else None
         return logits, features
 
-    @staticmethod
-    def _gated_delta_net(gdn: nn.Module, x: mx.array, cache, record) -> mx.array:
-        # Mirrors mlx_lm.models.qwen3_5.GatedDeltaNet.__call__ for an unpadded batch of one
-        # (a test pins the two to identical outputs and states), recording the recurrence inputs.
-        B, S, _ = x.shape
-        qkv = gdn.in_proj_qkv(x)
-        z = gdn.in_proj_z(x).reshape(B, S, gdn.num_v_heads, gdn.head_v_dim)
-        b = gdn.in_proj_b(x)
-        a = gdn.in_proj_a(x)
-        conv_state = cache[0]
-        if conv_state is None:
-            conv_state = mx.zeros((B, gdn.conv_kernel_size - 1, gdn.conv_dim), dtype=x.dtype)
-        conv_input = mx.concatenate([conv_state, qkv], axis=1)
-        cache[0] = mx.contiguous(conv_input[:, -(gdn.conv_kernel_size - 1):, :])
-        conv_out = nn.silu(gdn.conv1d(conv_input))
-        q, k, v = gated_delta_qkv(gdn, conv_out)
-        state = cache[1]
-        states = None
-        if record is not None and _keeps_step_states(k, v, S):
-            out, states = gated_delta_with_states(q, k, v, a, b, gdn.A_log, gdn.dt_bias, state)
-            new_state = states[-1]
+    def _gated_attention_layer(self, i: int, layer: nn.Module, h: mx.array, mask, cache) -> mx.array:
+        """A Qwen3.5/3.8 gated attention decoder layer: the projections before and the output gate
+        and MLP after the KV cache update run compiled (one trace per row count), the cache
+        update and the attention itself as mlx-lm does them."""
+        offset = mx.array(cache.offset, dtype=mx.int32)
+        if h.shape[1] <= COMPILED_MAX_ROWS:
+            before, after = self._compiled.get(("attention", i), (None, None))
+            if before is None:
+                before = mx.compile(partial(gated_attention_inputs, layer), inputs=layer.state)
+                after = mx.compile(partial(gated_attention_output, layer), inputs=layer.state)
+                self._compiled[("attention", i)] = (before, after)
         else:
-            out, new_state = gated_delta_update(
-                q, k, v, a, b, gdn.A_log, gdn.dt_bias, state, None, use_kernel=not gdn.training
-            )
-        if record is not None:
-            record.append(RecurrentInputs(conv_input, q, k, v, a, b, state, gdn.A_log, gdn.dt_bias, states))
+            before, after = partial(gated_attention_inputs, layer), partial(gated_attention_output, layer)
+        queries, keys, values, gate = before(h, offset)
+        keys, values = cache.update_and_fetch(keys, values)
+        attn = layer.self_attn
+        out = scaled_dot_product_attention(queries, keys, values, cache=cache, scale=attn.scale, mask=mask)
+        return after(h, out, gate)
+
+    def _gated_delta_layer(self, i: int, layer: nn.Module, h: mx.array, cache, record) -> mx.array:
+        """One Gated DeltaNet decoder layer; updates its cache and, with ``record``, appends what
+        rollback needs. Block-sized inputs run compiled: one trace per row count, so a decode step
+        and a verify pass launch a few fused kernels instead of hundreds of small ops."""
+        gdn = layer.linear_attn
+        steps = h.shape[1]
+        conv_state, state = cache[0], cache[1]
+        if conv_state is None:
+            conv_state = mx.zeros((h.shape[0], gdn.conv_kernel_size - 1, gdn.conv_dim), dtype=h.dtype)
+        keep = record is not None and _keeps_step_states(gdn, steps)
+        if state is not None and steps <= COMPILED_MAX_ROWS and not gdn.training:
+            fn = self._compiled.get((i, keep))
+            if fn is None:
+                fn = mx.compile(partial(gated_delta_layer, layer, keep=keep), inputs=layer.state)
+                self._compiled[(i, keep)] = fn
+            h, (conv_input, q, k, v, a, b), new_state, states = fn(h, conv_state, state)
+        else:
+            h, (conv_input, q, k, v, a, b), new_state, states = gated_delta_layer(layer, h, conv_state, state, keep)
+        cache[0] = mx.contiguous(conv_input[:, -(gdn.conv_kernel_size - 1):, :])
         cache[1] = new_state
-        cache.advance(S)
-        out = gdn.norm(out, z)
-        return gdn.out_proj(out.reshape(B, S, -1))
+        cache.advance(steps)
+        if record is not None:
+            record.append(RecurrentInputs(
+                conv_input, q, k, v, a, b, state, gdn.A_log, gdn.dt_bias, states if keep else None))
+        return h
+
+
+def gated_delta_layer(layer: nn.Module, h: mx.array, conv_state: mx.array, state: Optional[mx.array], keep: bool = False):
+    """A Qwen3.5/3.8 Gated DeltaNet decoder layer on ``h`` [1, S, H]; a pure function, so that it
+    can be compiled -> (output rows, the recurrence's inputs (conv_input, q, k, v, a, b), the state
+    after the pass, and with ``keep`` the state after every step [1, S, Hv, Dv, Dk] (else [])).
+
+    Mirrors mlx_lm.models.qwen3_5 (DecoderLayer and GatedDeltaNet.__call__) for an unpadded batch
+    of one; a test pins the two to identical outputs and states.
+    """
+    gdn = layer.linear_attn
+    x = layer.input_layernorm(h)
+    B, S, _ = x.shape
+    qkv = gdn.in_proj_qkv(x)
+    z = gdn.in_proj_z(x).reshape(B, S, gdn.num_v_heads, gdn.head_v_dim)
+    b = gdn.in_proj_b(x)
+    a = gdn.in_proj_a(x)
+    conv_input = mx.concatenate([conv_state, qkv], axis=1)
+    conv_out = nn.silu(gdn.conv1d(conv_input))
+    q, k, v = gated_delta_qkv(gdn, conv_out)
+    states = []
+    if keep:
+        out, states = gated_delta_with_states(q, k, v, a, b, gdn.A_log, gdn.dt_bias, state)
+        new_state = states[:, -1]
+    elif _runs_ops_recurrence(gdn) and not gdn.training:  # the same loop, without keeping states
+        out, new_state = gated_delta_with_states(q, k, v, a, b, gdn.A_log, gdn.dt_bias, state, keep=False)
+    else:
+        out, new_state = gated_delta_update(
+            q, k, v, a, b, gdn.A_log, gdn.dt_bias, state, None, use_kernel=not gdn.training
+        )
+    out = gdn.norm(out, z)
+    h = h + gdn.out_proj(out.reshape(B, S, -1))
+    h = h + layer.mlp(layer.post_attention_layernorm(h))
+    return h, (conv_input, q, k, v, a, b), new_state, states
+
+
+def gated_attention_inputs(layer: nn.Module, h: mx.array, offset: mx.array):
+    """The first half of mlx-lm's Qwen3NextAttention.__call__ (inside a DecoderLayer) for rows
+    ``h`` [1, L, H] at positions offset.. -> roped queries and keys, values, the output gate."""
+    attn = layer.self_attn
+    x = layer.input_layernorm(h)
+    B, L, _ = x.shape
+    queries, gate = mx.split(attn.q_proj(x).reshape(B, L, attn.num_attention_heads, -1), 2, axis=-1)
+    gate = gate.reshape(B, L, -1)
+    keys, values = attn.k_proj(x), attn.v_proj(x)
+    queries = attn.q_norm(queries).transpose(0, 2, 1, 3)
+    keys = attn.k_norm(keys.reshape(B, L, attn.num_key_value_heads, -1)).transpose(0, 2, 1, 3)
+    values = values.reshape(B, L, attn.num_key_value_heads, -1).transpose(0, 2, 1, 3)
+    return attn.rope(queries, offset=offset), attn.rope(keys, offset=offset), values, gate
+
+
+def gated_attention_output(layer: nn.Module, h: mx.array, attention: mx.array, gate: mx.array) -> mx.array:
+    """The rest of the decoder layer: output gate and projection, residual, MLP, residual."""
+    B, L, _ = h.shape
+    out = attention.transpose(0, 2, 1, 3).reshape(B, L, -1)
+    h = h + layer.self_attn.o_proj(out * mx.sigmoid(gate))
+    return h + layer.mlp(layer.post_attention_layernorm(h))
