@@ -36,20 +36,33 @@ def uses_fast_exp() -> bool:
     return mx.default_device() == mx.cpu
 
 
-def attention(queries: mx.array, keys: mx.array, values: mx.array, scale: float, mask: mx.array) -> mx.array:
-    """Scaled dot-product attention with a boolean mask [L, S] (True: visible).
+def attention(queries: mx.array, parts: list[tuple[mx.array, mx.array, mx.array]], scale: float) -> mx.array:
+    """Scaled dot-product attention of queries [B, Hq, L, D] over several parts of keys and values,
+    each ``(keys [B, Hkv, S_i, D], values [B, Hkv, S_i, D], mask [L, S_i])`` (mask True: visible),
+    as if they were concatenated along S; Hq is a multiple of Hkv -> [B, Hq, L, D].
 
-    queries [B, Hq, L, D]; keys, values [B, Hkv, S, D] with Hq a multiple of Hkv -> [B, Hq, L, D].
+    On the CPU the parts are never concatenated (a copy of the whole context per layer per cycle):
+    one softmax spans them, with the polynomial exp.
     """
     if not uses_fast_exp():
+        keys, values, mask = (mx.concatenate([p[i] for p in parts], axis=-2 if i < 2 else -1) for i in range(3))
         return mx.fast.scaled_dot_product_attention(queries, keys, values, scale=scale, mask=mask)
     b, hq, length, d = queries.shape
-    hkv = keys.shape[1]
+    hkv = parts[0][0].shape[1]
     grouped = (queries * scale).reshape(b, hkv, (hq // hkv) * length, d)  # query heads share a kv head
-    scores = (grouped @ keys.swapaxes(-1, -2)).astype(mx.float32).reshape(b, hkv, hq // hkv, length, -1)
-    scores = mx.where(mask, scores, -mx.inf)
-    weights = fast_exp(scores - scores.max(axis=-1, keepdims=True))
-    weights = mx.where(mask, weights, 0.0)
-    weights = weights / weights.sum(axis=-1, keepdims=True)
-    out = weights.reshape(b, hkv, (hq // hkv) * length, -1).astype(values.dtype) @ values
+    scores = []
+    for keys, _, mask in parts:
+        s = (grouped @ keys.swapaxes(-1, -2)).astype(mx.float32).reshape(b, hkv, hq // hkv, length, -1)
+        scores.append(mx.where(mask, s, -mx.inf))
+    peak = scores[0].max(axis=-1, keepdims=True)
+    for s in scores[1:]:
+        peak = mx.maximum(peak, s.max(axis=-1, keepdims=True))
+    out, total = None, None
+    for s, (_, values, mask) in zip(scores, parts):
+        weights = mx.where(mask, fast_exp(s - peak), 0.0)
+        part_total = weights.sum(axis=-1, keepdims=True)
+        part_out = weights.reshape(b, hkv, (hq // hkv) * length, -1).astype(values.dtype) @ values
+        out = part_out if out is None else out + part_out
+        total = part_total if total is None else total + part_total
+    out = out.reshape(b, hkv, hq // hkv, length, d) / total.astype(out.dtype)
     return out.reshape(b, hq, length, d)

@@ -161,12 +161,10 @@ class DrafterAttention(nn.Module):
         queries = self.q_norm(self.q_proj(x).reshape(b, length, self.n_heads, -1))
         queries = rope(queries.transpose(0, 2, 1, 3), offset=block_pos)
         keys, values = self.keys_values(x, rope, block_pos)
-        mask = self._block_visibility(length)
+        parts = [(keys, values, self._block_visibility(length))]
         if ctx_keys is not None:
-            keys = mx.concatenate([ctx_keys, keys], axis=2)
-            values = mx.concatenate([ctx_values, values], axis=2)
-            mask = mx.concatenate([self._context_visibility(ctx_positions, block_pos, length), mask], axis=-1)
-        out = cpu_attention.attention(queries, keys, values, self.scale, mask)
+            parts.insert(0, (ctx_keys, ctx_values, self._context_visibility(ctx_positions, block_pos, length)))
+        out = cpu_attention.attention(queries, parts, self.scale)
         return self.o_proj(out.transpose(0, 2, 1, 3).reshape(b, length, -1))
 
     def _context_visibility(self, positions: mx.array, block_pos: mx.array, length: int) -> mx.array:
