@@ -148,13 +148,13 @@ def measure(runner, drafter, context: int, repeats: int) -> dict:
         c = ctx.copy()
         hidden = drafter(runner.embed(block), new_rows, c)[:, 1:]
         logits = drafter.logits(hidden, runner.lm_head)
-        tokens = drafter.candidate_selector.greedy(hidden, logits, block[:, 0])
+        tokens = drafter.select_greedy(hidden, logits, block[:, 0])
         mx.eval(tokens)
         hidden_keep["h"], hidden_keep["l"] = hidden, logits
 
     out["draft_cycle_ms"] = median_ms(draft, repeats)
     h, l = hidden_keep["h"], hidden_keep["l"]
-    out["selector_ms"] = median_ms(lambda: mx.eval(drafter.candidate_selector.greedy(h, l, block[:, :1][:, 0])), repeats)
+    out["selector_ms"] = median_ms(lambda: mx.eval(drafter.select_greedy(h, l, block[:, :1][:, 0])), repeats)
     layer = drafter.layers[0]
     x = mx.random.normal((1, 8, 5120)).astype(h.dtype)
 

@@ -343,6 +343,11 @@ class Drafter(nn.Module):
             h = layer(h, lambda attn, x: attn(x, self._rope, block_pos, *ctx))
         return self.norm(h)
 
+    def select_greedy(self, hidden: mx.array, logits: mx.array, anchor: mx.array) -> mx.array:
+        """The candidate selector's greedy path (DFlash 2), compiled: hidden [N, R, H], logits
+        [N, R, V], anchor [N] -> draft tokens [N, R]."""
+        return self._compiled("select", self.candidate_selector.greedy)(hidden, logits, anchor)
+
     def _compiled(self, name: str, fn: Callable) -> Callable:
         """``fn`` compiled (one trace per input shape), or ``fn`` itself while kernel overrides are
         active (tests route kernels through callbacks that need concrete arrays)."""

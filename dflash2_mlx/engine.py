@@ -390,7 +390,7 @@ def generate_speculative(
             prof.mark("draft", draft_logits)
         candidates = q = None
         if cfg.is_dflash2 and greedy:
-            draft = drafter.candidate_selector.greedy(hidden, draft_logits, block[:, 0])[0]
+            draft = drafter.select_greedy(hidden, draft_logits, block[:, 0])[0]
         elif cfg.is_dflash2:
             uniforms = mx.random.uniform(shape=(1, bs - 1))
             draft, candidates, q = drafter.candidate_selector.sampled(
