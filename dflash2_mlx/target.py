@@ -253,12 +253,13 @@ def gated_delta_layer(layer: nn.Module, h: mx.array, conv_state: mx.array, state
     of one; a test pins the two to identical outputs and states.
     """
     gdn = layer.linear_attn
-    x = layer.input_layernorm(h)
-    B, S, _ = x.shape
-    qkv = gdn.in_proj_qkv(x)
+    B, S, H = h.shape
+    rows = h.reshape(B * S, H)  # 2-D rows: each projection is then one matmul, no reshapes around it
+    x = layer.input_layernorm(rows)
+    qkv = gdn.in_proj_qkv(x).reshape(B, S, -1)
     z = gdn.in_proj_z(x).reshape(B, S, gdn.num_v_heads, gdn.head_v_dim)
-    b = gdn.in_proj_b(x)
-    a = gdn.in_proj_a(x)
+    b = gdn.in_proj_b(x).reshape(B, S, -1)
+    a = gdn.in_proj_a(x).reshape(B, S, -1)
     conv_input = mx.concatenate([conv_state, qkv], axis=1)
     conv_out = nn.silu(gdn.conv1d(conv_input))
     q, k, v = gated_delta_qkv(gdn, conv_out)
@@ -273,17 +274,17 @@ def gated_delta_layer(layer: nn.Module, h: mx.array, conv_state: mx.array, state
             q, k, v, a, b, gdn.A_log, gdn.dt_bias, state, None, use_kernel=not gdn.training
         )
     out = gdn.norm(out, z)
-    h = h + gdn.out_proj(out.reshape(B, S, -1))
-    h = h + layer.mlp(layer.post_attention_layernorm(h))
-    return h, (conv_input, q, k, v, a, b), new_state, states
+    rows = rows + gdn.out_proj(out.reshape(B * S, -1))
+    rows = rows + layer.mlp(layer.post_attention_layernorm(rows))
+    return rows.reshape(B, S, H), (conv_input, q, k, v, a, b), new_state, states
 
 
 def gated_attention_inputs(layer: nn.Module, h: mx.array, offset: mx.array):
     """The first half of mlx-lm's Qwen3NextAttention.__call__ (inside a DecoderLayer) for rows
     ``h`` [1, L, H] at positions offset.. -> roped queries and keys, values, the output gate."""
     attn = layer.self_attn
-    x = layer.input_layernorm(h)
-    B, L, _ = x.shape
+    B, L, H = h.shape
+    x = layer.input_layernorm(h.reshape(B * L, H))  # 2-D rows: one matmul per projection
     queries, gate = mx.split(attn.q_proj(x).reshape(B, L, attn.num_attention_heads, -1), 2, axis=-1)
     gate = gate.reshape(B, L, -1)
     keys, values = attn.k_proj(x), attn.v_proj(x)
@@ -295,7 +296,8 @@ def gated_attention_inputs(layer: nn.Module, h: mx.array, offset: mx.array):
 
 def gated_attention_output(layer: nn.Module, h: mx.array, attention: mx.array, gate: mx.array) -> mx.array:
     """The rest of the decoder layer: output gate and projection, residual, MLP, residual."""
-    B, L, _ = h.shape
-    out = attention.transpose(0, 2, 1, 3).reshape(B, L, -1)
-    h = h + layer.self_attn.o_proj(out * mx.sigmoid(gate))
-    return h + layer.mlp(layer.post_attention_layernorm(h))
+    B, L, H = h.shape
+    out = attention.transpose(0, 2, 1, 3).reshape(B * L, -1)
+    rows = h.reshape(B * L, H) + layer.self_attn.o_proj(out * mx.sigmoid(gate.reshape(B * L, -1)))
+    rows = rows + layer.mlp(layer.post_attention_layernorm(rows))
+    return rows.reshape(B, L, H)
