@@ -92,10 +92,14 @@ def gated_delta_with_states(q, k, v, a, b, A_log, dt_bias, state, keep: bool = T
         kv_mem = (state * ks[t]).sum(axis=-1, keepdims=True)
         delta = (vs[t] - kv_mem) * betas[t]
         state = state + ks[t] * delta
-        ys.append((state * qs[t]).sum(axis=-1))
-        states.append(state)
-    y = mx.concatenate(ys, axis=1)
-    return (y, mx.concatenate(states, axis=1)) if keep else (y, state[:, 0])
+        if keep:
+            states.append(state)
+        else:
+            ys.append((state * qs[t]).sum(axis=-1))
+    if keep:  # the outputs of all steps at once from the kept states: same products and sums
+        states = mx.concatenate(states, axis=1)
+        return (states * q[..., None, :]).sum(axis=-1), states
+    return mx.concatenate(ys, axis=1), state[:, 0]
 
 
 def gated_delta_qkv(gdn: nn.Module, conv_out: mx.array) -> tuple[mx.array, mx.array, mx.array]:
