@@ -77,6 +77,28 @@ def test_rejection_step_output_follows_p(sparse):
     assert g_test_pvalue(joint.ravel(), expected) > ALPHA
 
 
+def test_a_fully_accepted_block_draws_its_bonus_token_from_the_row_after_it():
+    """When every draft is accepted, the extra token is drawn from p of the row after the block.
+
+    The joint-distribution tests stop before a full block's bonus token, so it is pinned here:
+    with q == p every draft is accepted, and the bonus must follow the last row of p, which the
+    test can tell from its neighbour."""
+    rng = np.random.default_rng(3)
+    vocab, rows, n = 6, 2, 3000
+    p = mx.array(rng.dirichlet(np.ones(vocab), size=rows + 1).astype(np.float32))
+    q = p[:rows]
+    mx.random.seed(2)
+    bonus = np.zeros(vocab)
+    for _ in range(n):
+        draft = mx.random.categorical(mx.log(q))
+        accepted, next_tokens = rejection_step(draft, p, q)
+        assert int(accepted.item()) == rows
+        bonus[int(next_tokens[rows].item())] += 1
+    p_np = np.array(p)
+    assert g_test_pvalue(bonus, p_np[rows]) > ALPHA
+    assert g_test_pvalue(bonus, p_np[rows - 1]) < ALPHA
+
+
 def test_rejection_step_detects_a_wrong_sampler():
     """The statistical test has power: drafting from q and accepting everything is caught."""
     rng = np.random.default_rng(0)
