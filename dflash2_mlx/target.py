@@ -1,9 +1,11 @@
 """TargetRunner: runs an mlx-lm model layer by layer, returning logits and tapped hidden states.
 
 The runner walks the model's own layers and calls their sub-modules; it never patches mlx-lm.
-Attention layers are called as they are. Gated DeltaNet layers (Qwen3.5 / Qwen3.8 hybrids) are
-walked step by step, computing exactly what ``GatedDeltaNet.__call__`` computes, so that a verify
-pass can record the recurrence's inputs for rollback (see ``caches.py``).
+Gated DeltaNet layers (Qwen3.5 / Qwen3.8 hybrids) are walked step by step, computing exactly what
+``GatedDeltaNet.__call__`` computes, so that a verify pass can record the recurrence's inputs for
+rollback (see ``caches.py``). Their gated attention layers are walked too, so that everything but
+the KV cache update and the attention itself runs compiled; other attention layers are called as
+they are. Tests pin the walked layers to mlx-lm's own forward, bit for bit.
 
 Supported: mlx-lm models whose text stack is ``<model>.layers`` with ``embed_tokens`` and
 ``norm`` (Qwen3.5-architecture hybrids, Qwen3, Qwen2, Llama, Mistral and similar).
@@ -18,7 +20,7 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.models.base import create_attention_mask, scaled_dot_product_attention
 from mlx_lm.models.qwen3_next import Qwen3NextAttention, Qwen3NextMLP
-from mlx_lm.models.gated_delta import _gated_delta_step_ops, compute_g, gated_delta_update, normalize_qk
+from mlx_lm.models.gated_delta import compute_g, gated_delta_update, normalize_qk
 
 from .caches import RecurrentInputs, TargetCache
 
@@ -147,7 +149,8 @@ class TargetRunner:
             kind == "attention" and type(layer.self_attn) is Qwen3NextAttention and type(layer.mlp) is Qwen3NextMLP
             for layer, kind in zip(self.layers, self.kinds)
         ]
-        self._compiled: dict = {}  # (layer index, keeps step states) -> compiled gated_delta_layer
+        # (i, keeps step states) -> compiled gated_delta_layer; ("attention", i) -> the two halves
+        self._compiled: dict = {}
 
     @property
     def num_layers(self) -> int:
