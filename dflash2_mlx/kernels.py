@@ -61,6 +61,7 @@ __all__ = [
     "reference_select_sampled",
     "active_kernels",
     "override",
+    "overridden",
     "prepare",
     "KERNEL_NAMES",
     "KERNEL_SPECS",
@@ -701,6 +702,12 @@ def _check_args(name: str, dtypes):
             mx.zeros((2, 16), dtypes[2]),
         )
     return tuple(_pair_case(dtypes, sampled=(name == "select_sampled")))
+
+
+def overridden() -> bool:
+    """True inside an :func:`override` block (callers that compile skip it there: an override's
+    callbacks may need concrete arrays)."""
+    return bool(_STATE.overrides)
 
 
 def active_kernels() -> dict[str, str]:
