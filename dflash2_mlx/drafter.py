@@ -17,8 +17,9 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.models.rope_utils import initialize_rope
 
-from . import cpu_attention, kernels
+from . import kernels
 from .config import DrafterConfig
+from .drafter_step import DraftStep
 from .selector import CandidateSelector
 
 
@@ -154,27 +155,6 @@ class DrafterAttention(nn.Module):
         keys = rope(keys.transpose(0, 2, 1, 3), offset=offset)
         return keys, values.transpose(0, 2, 1, 3)
 
-    def __call__(self, x, rope, block_pos, ctx_keys=None, ctx_values=None, ctx_positions=None) -> mx.array:
-        # x: [1, L, H] block rows at positions block_pos.. (int32 scalar array); ctx_*: this
-        # layer's context buffers [1, Hkv, C, D] and their slots' positions [C] (None: no context).
-        b, length, _ = x.shape
-        queries = self.q_norm(self.q_proj(x).reshape(b, length, self.n_heads, -1))
-        queries = rope(queries.transpose(0, 2, 1, 3), offset=block_pos)
-        keys, values = self.keys_values(x, rope, block_pos)
-        parts = [(keys, values, self._block_visibility(length))]
-        if ctx_keys is not None:
-            parts.insert(0, (ctx_keys, ctx_values, self._context_visibility(ctx_positions, block_pos, length)))
-        out = cpu_attention.attention(queries, parts, self.scale)
-        return self.o_proj(out.transpose(0, 2, 1, 3).reshape(b, length, -1))
-
-    def _context_visibility(self, positions: mx.array, block_pos: mx.array, length: int) -> mx.array:
-        """[L, C]: which context slots each block row sees (filled ones, within the window)."""
-        visible = positions[None] >= 0
-        if self.window is not None:
-            query = block_pos + mx.arange(length, dtype=mx.int32)[:, None]
-            visible = visible & (query - positions[None] < self.window)
-        return mx.broadcast_to(visible, (length, positions.shape[0]))
-
     def train(self, x: mx.array, context: mx.array, rope, anchors: mx.array) -> mx.array:
         # Training: N blocks of one sequence at once. x: [N, L, H], block n at positions
         # anchors[n]..; context: [1, S, H] for positions 0..S-1, of which block n sees p < anchors[n].
@@ -301,6 +281,7 @@ class Drafter(nn.Module):
         )
         # kept out of the module's parameter tree (nn.Module stores dict attributes in it)
         object.__setattr__(self, "_compiled_fns", {})
+        object.__setattr__(self, "_draft_step", None)
 
     def make_cache(self) -> ContextCache:
         return ContextCache(self.config.context_window)
@@ -311,37 +292,37 @@ class Drafter(nn.Module):
         block_embeds: [1, B, H], the target's embeddings of [anchor, MASK, ...] (times
         ``input_embedding_scale``); features: [1, n, T*H], tapped target hidden states of the
         n positions committed since the last call (they enter the context cache first).
+        Runs on packed weights (``drafter_step.py``); ``train_forward`` is the same computation.
         """
         self.absorb(features, cache)
-        block_pos = mx.array(cache.offset, dtype=mx.int32)
-        if cache.capacity == 0:
-            return self._block_step(block_embeds, block_pos)
-        step = self._compiled("block", self._block_step)
-        return step(block_embeds, block_pos, cache.keys, cache.values, cache.positions)
+        return self._step().block(block_embeds, cache)
 
     def absorb(self, features: Optional[mx.array], cache: ContextCache) -> None:
         """Move the target features of newly committed positions [1, n, T*H] into the context
         cache (each cycle's accepted rows; prefill chunks; prefix snapshots)."""
         if features is None or features.shape[1] == 0:
             return
-        offset = mx.array(cache.offset, dtype=mx.int32)
-        # a cycle's rows (n <= block size) take a compiled path; prefill chunks, whose lengths
-        # vary with the prompt, do not (each new shape would be traced and kept)
-        project = self._context_rows
-        if features.shape[1] <= max(self.config.block_size, 16):
-            project = self._compiled("context", self._context_rows)
-        cache.write(project(features, offset))
+        cache.write(self._step().context_rows(features, cache.offset))
 
-    def _context_rows(self, features: mx.array, offset: mx.array) -> list[tuple[mx.array, mx.array]]:
-        context = self.hidden_norm(self.fc(features))
-        return [layer.self_attn.keys_values(context, self._rope, offset) for layer in self.layers]
+    def _step(self) -> DraftStep:
+        if self._draft_step is None:
+            step = DraftStep(self.config, self.fc, self.hidden_norm, self.layers, self.norm, self._rope)
+            object.__setattr__(self, "_draft_step", step)
+        return self._draft_step
 
-    def _block_step(self, block_embeds, block_pos, keys=None, values=None, positions=None) -> mx.array:
-        h = block_embeds
-        for i, layer in enumerate(self.layers):
-            ctx = (keys[i], values[i], positions) if keys is not None else ()
-            h = layer(h, lambda attn, x: attn(x, self._rope, block_pos, *ctx))
-        return self.norm(h)
+    def update(self, parameters: dict, strict: bool = True) -> "Drafter":
+        """nn.Module.update (load_weights, optimizers and set_dtype go through it); the packed
+        weights of the decode step are rebuilt from the new parameters before the next draft."""
+        super().update(parameters, strict=strict)
+        if self._draft_step is not None:
+            self._draft_step.stale = True
+        return self
+
+    def update_modules(self, modules: dict, strict: bool = True) -> "Drafter":
+        """nn.Module.update_modules (nn.quantize goes through it): the decode step is rebuilt."""
+        super().update_modules(modules, strict=strict)
+        object.__setattr__(self, "_draft_step", None)
+        return self
 
     def select_greedy(self, hidden: mx.array, logits: mx.array, anchor: mx.array) -> mx.array:
         """The candidate selector's greedy path (DFlash 2), compiled: hidden [N, R, H], logits

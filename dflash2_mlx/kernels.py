@@ -81,44 +81,44 @@ def reference_two_tap_conv(x: mx.array, dynamic: mx.array, base: mx.array) -> mx
     """Grouped dynamic causal convolution local to each block (reference ops)."""
     n, length, hidden = x.shape
     taps, groups = dynamic.shape[-2], dynamic.shape[-1]
-    group_size = hidden // groups
-    xf = x.astype(mx.float32).reshape(n, length, groups, group_size)
-    # Tap j of row t multiplies x[t - j] (zero before the block's first row): K-1 zero rows in
-    # front, then each row's K rows x[t-K+1..t] viewed as a window, taps in reverse order.
-    padded = mx.concatenate([mx.zeros((n, taps - 1, groups, group_size), mx.float32), xf], axis=1)
-    windows = mx.as_strided(
-        padded, (n, length, taps, groups, group_size),
-        ((length + taps - 1) * hidden, hidden, hidden, group_size, 1),
-    )
-    kernel = base.astype(mx.float32)[::-1].reshape(1, 1, taps, groups, group_size)
-    kernel = kernel + dynamic.astype(mx.float32)[:, :, ::-1, :, None]
-    return (kernel * windows).sum(axis=2).reshape(n, length, hidden).astype(x.dtype)
+    xf = x.astype(mx.float32)
+    # each group's coefficient repeated over its channels: [N, L, K * H] -> K x [N, L, H]
+    per_channel = mx.broadcast_to(dynamic.astype(mx.float32)[..., None], (n, length, taps, groups, hidden // groups))
+    dynamic_taps = mx.split(per_channel.reshape(n, length, taps * hidden), taps, axis=-1)
+    base_taps = mx.split(base.astype(mx.float32), taps, axis=0)  # K x [1, H]
+    out = None
+    for j in range(taps):
+        # tap j multiplies x[t - j], zero before the block's first row
+        shifted = xf if j == 0 else mx.concatenate(
+            [mx.array(np.zeros((n, min(j, length), hidden), np.float32)), xf[:, : length - j]], axis=1)
+        term = (base_taps[j] + dynamic_taps[j]) * shifted
+        out = term if out is None else out + term
+    return out.astype(x.dtype)
 
 
 def _pair_scores(anchor, candidates, unary, hidden, pred_cb, succ_cb):
-    """Every row's candidate scores for every possible predecessor, in one batch (float32):
-    row 0 after the anchor [N, 1, 1, k], and row i after each candidate a of row i-1
-    [N, R-1, k (a), k (b)]. The walks below then only pick rows of these."""
-    h = hidden.astype(mx.float32)
-    u = unary.astype(mx.float32)
+    """Every row's candidate scores for every possible predecessor, in one batch (float32)
+    -> [N, R, k (a), k (b)]: row i's candidate b after candidate a of row i-1; row 0's
+    predecessor is the anchor, in every slot a. The walks below then only pick rows of these."""
+    n, rows, k = candidates.shape
+    anchors = mx.broadcast_to(anchor.astype(candidates.dtype).reshape(n, 1, 1), (n, 1, k))
+    predecessors = mx.concatenate([anchors, candidates[:, :-1]], axis=1)  # [N, R, k]
+    left = pred_cb[predecessors].astype(mx.float32) * hidden.astype(mx.float32)[:, :, None, :]  # [N, R, k, r]
     succ = succ_cb[candidates].astype(mx.float32)  # [N, R, k, r]
-    anchor_left = pred_cb[anchor.astype(mx.int32)].astype(mx.float32) * h[:, 0]  # [N, r]
-    first = u[:, 0] + (succ[:, 0] @ anchor_left[:, :, None])[..., 0]  # [N, k]
-    left = pred_cb[candidates[:, :-1]].astype(mx.float32) * h[:, 1:, None, :]  # [N, R-1, k, r]
-    pairs = u[:, 1:, None, :] + left @ succ[:, 1:].swapaxes(-1, -2)  # [N, R-1, k, k]
-    return first[:, None, None, :], pairs
+    return unary.astype(mx.float32)[:, :, None, :] + left @ succ.swapaxes(-1, -2)
 
 
-def _walk(first, pairs, choose):
-    """Follow the rows: ``choose(i, scores [N, 1, 1, k])`` returns the chosen index [N, 1, 1, 1];
-    row i's scores are those after the candidate chosen in row i-1 -> chosen indices [N, R]."""
-    choice = choose(0, first)
-    chosen = [choice]
-    rows = mx.split(pairs, pairs.shape[1], axis=1) if pairs.shape[1] else []
-    for i, row in enumerate(rows, start=1):  # row: [N, 1, k, k]
+def _walk(pairs, choose):
+    """Follow the rows from predecessor slot 0 (the anchor): ``choose(i, scores [N, 1, 1, k])``
+    returns the chosen index [N, 1, 1, 1]; row i's scores are those after the candidate chosen
+    in row i-1 -> chosen indices [N, R]."""
+    n, rows, k, _ = pairs.shape
+    choice = mx.zeros((n, 1, 1, 1), dtype=mx.uint32)
+    chosen = []
+    for i, row in enumerate(mx.split(pairs, rows, axis=1)):  # row: [N, 1, k, k]
         choice = choose(i, mx.take_along_axis(row, choice, axis=2))
         chosen.append(choice)
-    return mx.concatenate(chosen, axis=1).reshape(first.shape[0], -1)
+    return mx.concatenate(chosen, axis=1).reshape(n, rows)
 
 
 def reference_select_greedy(
@@ -130,8 +130,8 @@ def reference_select_greedy(
     successor_codebook: mx.array,
 ) -> mx.array:
     """Greedy path through each row's candidates, starting from the anchor token."""
-    first, pairs = _pair_scores(anchor, candidates, unary, hidden, predecessor_codebook, successor_codebook)
-    chosen = _walk(first, pairs, lambda i, scores: mx.argmax(scores, axis=-1, keepdims=True))
+    pairs = _pair_scores(anchor, candidates, unary, hidden, predecessor_codebook, successor_codebook)
+    chosen = _walk(pairs, lambda i, scores: mx.argmax(scores, axis=-1, keepdims=True))
     return mx.take_along_axis(candidates, chosen[..., None], axis=-1)[..., 0]
 
 
@@ -147,7 +147,7 @@ def reference_select_sampled(
 ) -> tuple[mx.array, mx.array]:
     """Sampled path plus each row's proposal distribution q over its k candidates."""
     k = candidates.shape[-1]
-    first, pairs = _pair_scores(anchor, candidates, unary, hidden, predecessor_codebook, successor_codebook)
+    pairs = _pair_scores(anchor, candidates, unary, hidden, predecessor_codebook, successor_codebook)
     u = uniforms.astype(mx.float32).reshape(uniforms.shape[0], -1, 1, 1)
     q_rows = []
 
@@ -157,7 +157,7 @@ def reference_select_sampled(
         below = (mx.cumsum(q, axis=-1) <= u[:, i : i + 1]).astype(mx.int32)
         return mx.minimum(mx.sum(below, axis=-1, keepdims=True), k - 1)
 
-    chosen = _walk(first, pairs, draw)
+    chosen = _walk(pairs, draw)
     path = mx.take_along_axis(candidates, chosen[..., None], axis=-1)[..., 0]
     return path, mx.concatenate(q_rows, axis=1).reshape(*candidates.shape)
 
