@@ -67,7 +67,7 @@ class TargetCache:
                 continue
             rec = next(gdn_inputs)
             if rec.states is not None:  # the pass kept every step's state: nothing to recompute
-                state = rec.states[:, keep - 1]
+                state = mx.take(rec.states, keep - 1, axis=1)  # one op where [:, i] is two
             else:
                 _, state = gated_delta_update(
                     rec.q[:, :keep], rec.k[:, :keep], rec.v[:, :keep],

@@ -380,7 +380,9 @@ def generate_speculative(
         bs = min(block_size, settings.max_tokens - len(out.tokens) + 1)  # never draft past max_tokens
         # Draft: block = [anchor, MASK * (bs-1)] at positions n..n+bs-1.
         block = mx.array([[anchor] + [mask_id] * (bs - 1)], dtype=mx.int32)
-        block_embeds = runner.embed(block) * cfg.input_embedding_scale
+        block_embeds = runner.embed(block)
+        if cfg.input_embedding_scale != 1.0:
+            block_embeds = block_embeds * cfg.input_embedding_scale
         hidden = drafter(block_embeds, new_features, context)[:, 1:]  # [1, bs-1, H]
         draft_logits = drafter.logits(hidden, runner.lm_head)  # [1, bs-1, V]
         # Start computing the draft while Python builds the selector's and the verify pass's
@@ -407,8 +409,8 @@ def generate_speculative(
             prof.mark("select", draft)
         # Verify: the target runs [anchor, d1..d(bs-1)] in one pass.
         recorded = [] if hybrid else None
-        verify_in = mx.concatenate([block[0, :1], draft])
-        verify_logits, verify_features = runner(verify_in[None], cache, taps, recorded)
+        verify_in = mx.concatenate([mx.array([anchor], dtype=mx.int32), draft])[None]
+        verify_logits, verify_features = runner(verify_in, cache, taps, recorded)
         verify_logits = verify_logits[0]
         if settings.logits_processors:  # row i sees committed + d1..di, as plain decoding did
             history = mx.concatenate([mx.array(committed, dtype=mx.int32), draft])

@@ -18,10 +18,12 @@ from typing import Optional
 
 import mlx.core as mx
 import mlx.nn as nn
+from mlx_lm.models.activations import swiglu
 from mlx_lm.models.base import create_attention_mask, scaled_dot_product_attention
 from mlx_lm.models.qwen3_next import Qwen3NextAttention, Qwen3NextMLP
 from mlx_lm.models.gated_delta import compute_g, gated_delta_update, normalize_qk
 
+from . import rope
 from .caches import RecurrentInputs, TargetCache
 
 
@@ -63,6 +65,45 @@ def _keeps_step_states(gdn: nn.Module, steps: int) -> bool:
 # whose lengths vary with the prompt, do not (every new shape would be traced and kept).
 COMPILED_MAX_ROWS = 16
 
+# The dense projections of a walked layer, by path inside the decoder layer.
+GDN_PROJECTIONS = ("linear_attn.in_proj_qkv", "linear_attn.in_proj_z", "linear_attn.in_proj_b",
+                   "linear_attn.in_proj_a", "linear_attn.out_proj")
+ATTENTION_PROJECTIONS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj")
+MLP_PROJECTIONS = ("mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")
+
+
+def _submodule(layer: nn.Module, path: str) -> nn.Module:
+    for name in path.split("."):
+        layer = getattr(layer, name)
+    return layer
+
+
+def _has_submodule(layer: nn.Module, path: str) -> bool:
+    for name in path.split("."):
+        if not isinstance(layer, nn.Module) or name not in layer:
+            return False
+        layer = layer[name]
+    return True
+
+
+def _project(x: mx.array, layer: nn.Module, path: str, weights_t: Optional[dict]) -> mx.array:
+    """``linear(x)`` for the projection at ``path``; with its weight's transposed view given, the
+    same matmul nn.Linear runs (same inputs, same strides: bit for bit), minus the transpose op
+    nn.Linear adds on every call. Other projections (quantized, ...) are called as they are."""
+    weight_t = weights_t.get(path) if weights_t else None
+    linear = _submodule(layer, path)
+    if weight_t is None:
+        return linear(x)
+    return mx.addmm(linear["bias"], x, weight_t) if "bias" in linear else x @ weight_t
+
+
+def _mlp(layer: nn.Module, x: mx.array, weights_t: Optional[dict]) -> mx.array:
+    """The layer's MLP; mlx-lm's Qwen3NextMLP (down(swiglu(gate, up))) with transposed views."""
+    if type(layer.mlp) is not Qwen3NextMLP or not weights_t:
+        return layer.mlp(x)
+    gate, up = _project(x, layer, "mlp.gate_proj", weights_t), _project(x, layer, "mlp.up_proj", weights_t)
+    return _project(swiglu(gate, up), layer, "mlp.down_proj", weights_t)
+
 
 def gated_delta_with_states(q, k, v, a, b, A_log, dt_bias, state, keep: bool = True):
     """mlx-lm's ops recurrence for a batch of one -> (y [B, S, Hv, Dv], the state after every step
@@ -78,30 +119,35 @@ def gated_delta_with_states(q, k, v, a, b, A_log, dt_bias, state, keep: bool = T
     g = compute_g(A_log, a, dt_bias)
     B, S, Hk, Dk = q.shape
     Hv, Dv = v.shape[-2:]
+    rep = Hv // Hk
     if state is None:
         state = mx.zeros((B, Hv, Dv, Dk), dtype=mx.float32)
-    if (repeat := Hv // Hk) > 1:
-        q = mx.repeat(q, repeat, -2)
-        k = mx.repeat(k, repeat, -2)
-    decay = g[..., None, None] if g.ndim == 3 else g[..., None, :]
-    qs, ks = mx.split(q[..., None, :], S, axis=1), mx.split(k[..., None, :], S, axis=1)  # [B, 1, Hv, 1, Dk]
-    vs = mx.split(v[..., None], S, axis=1)  # [B, 1, Hv, Dv, 1]
-    decays, betas = mx.split(decay, S, axis=1), mx.split(beta[..., None, None], S, axis=1)
-    state = state[:, None]  # [B, 1, Hv, Dv, Dk]
+    # Value heads grouped by the key head they read, [.., Hk, rep, ..]: the same products as
+    # mlx-lm's mx.repeat of q and k to Hv heads, by broadcasting instead of copying.
+    qs = mx.split(q.reshape(B, S, Hk, 1, 1, Dk), S, axis=1)
+    ks = mx.split(k.reshape(B, S, Hk, 1, 1, Dk), S, axis=1)
+    vs = mx.split(v.reshape(B, S, Hk, rep, Dv, 1), S, axis=1)
+    decays = mx.split(g.reshape(B, S, Hk, rep, 1, -1), S, axis=1)  # -1: a scalar or per-Dk decay
+    betas = mx.split(beta.reshape(B, S, Hk, rep, 1, 1), S, axis=1)
+    state = state.reshape(B, 1, Hk, rep, Dv, Dk)
     ys, states = [], []
     for t in range(S):
-        state = state * decays[t]
-        kv_mem = (state * ks[t]).sum(axis=-1, keepdims=True)
+        # mlx-lm: state = state * decay; kv_mem = sum(state * k); state = state + k * delta.
+        # The decayed state is formed twice, as state * decay and decay * state (the same
+        # float product): one shared node would be materialized as its own kernel, two fuse
+        # into their consumers, a kernel less per step under mx.compile.
+        kv_mem = ((state * decays[t]) * ks[t]).sum(axis=-1, keepdims=True)
         delta = (vs[t] - kv_mem) * betas[t]
-        state = state + ks[t] * delta
+        state = (decays[t] * state) + ks[t] * delta
         if keep:
             states.append(state)
         else:
             ys.append((state * qs[t]).sum(axis=-1))
     if keep:  # the outputs of all steps at once from the kept states: same products and sums
         states = mx.concatenate(states, axis=1)
-        return (states * q[..., None, :]).sum(axis=-1), states
-    return mx.concatenate(ys, axis=1), state[:, 0]
+        y = (states * q.reshape(B, S, Hk, 1, 1, Dk)).sum(axis=-1)
+        return y.reshape(B, S, Hv, Dv), states.reshape(B, S, Hv, Dv, Dk)
+    return mx.concatenate(ys, axis=1).reshape(B, S, Hv, Dv), state.reshape(B, Hv, Dv, Dk)
 
 
 def gated_delta_qkv(gdn: nn.Module, conv_out: mx.array) -> tuple[mx.array, mx.array, mx.array]:
@@ -151,6 +197,37 @@ class TargetRunner:
         ]
         # (i, keeps step states) -> compiled gated_delta_layer; ("attention", i) -> the two halves
         self._compiled: dict = {}
+        self._weights_t: dict = {}  # layer -> (the weights they were taken from, transposed views)
+        self._rope_tables: dict = {}  # RoPE settings -> rope.RopeTable
+        self._head_t: Optional[tuple] = None  # (the head's weight, its transposed view)
+
+    def _rope_table(self, attn: nn.Module) -> Optional[rope.RopeTable]:
+        """A cos/sin table for the layer's RoPE where it is exact and pays: a plain nn.RoPE
+        (rotate-half) on the CPU, where mx.fast.rope runs as ~15 ops per call. Layers with the
+        same RoPE settings share one table. None: call the module."""
+        module = attn.rope
+        if type(module) is not nn.RoPE or module.traditional or mx.default_device() != mx.cpu:
+            return None
+        key = (module.dims, module.base, module.scale, attn.head_dim)
+        if key not in self._rope_tables:
+            self._rope_tables[key] = rope.RopeTable(module, attn.head_dim, module.dims)
+        return self._rope_tables[key]
+
+    def weights_t(self, i: int, paths: tuple[str, ...]) -> dict:
+        """Transposed views of layer i's dense nn.Linear weights by path (views, no copies),
+        evaluated once: passed to the walked layers, they save one transpose op per matmul.
+        Rebuilt if a weight was replaced since (a model updated in place); the check is a
+        few dict lookups, as it runs for every layer of every pass."""
+        cached = self._weights_t.get(i)
+        if cached is not None and all(m["weight"] is w for m, w in cached[0]):
+            return cached[1]
+        layer = self.layers[i]
+        linears = {p: _submodule(layer, p) for p in paths if _has_submodule(layer, p)}
+        dense = {p: m for p, m in linears.items() if type(m) is nn.Linear}
+        views = {p: m["weight"].T for p, m in dense.items()}
+        mx.eval(views)
+        self._weights_t[i] = ([(m, m["weight"]) for m in dense.values()], views)
+        return views
 
     @property
     def num_layers(self) -> int:
@@ -164,9 +241,31 @@ class TargetRunner:
         return self.inner.embed_tokens(tokens)
 
     def lm_head(self, hidden: mx.array) -> mx.array:
-        if self._tied:
-            return self.inner.embed_tokens.as_linear(hidden)
-        return self.outer.lm_head(hidden)
+        """Logits of hidden rows [..., H] -> [..., V] (the drafter uses it too). A dense head
+        runs as one matmul on 2-D rows with its weight's transposed view: nn.Linear's matmul,
+        bit for bit, without the transpose and reshape ops around it."""
+        weight_t = self._head_weight_t()
+        if weight_t is None:
+            return self.inner.embed_tokens.as_linear(hidden) if self._tied else self.outer.lm_head(hidden)
+        return (hidden.reshape(-1, hidden.shape[-1]) @ weight_t).reshape(*hidden.shape[:-1], -1)
+
+    def _head_weight_t(self) -> Optional[mx.array]:
+        head = self.inner.embed_tokens if self._tied else self.outer.lm_head
+        if type(head) not in (nn.Linear, nn.Embedding) or "bias" in head:
+            return None
+        if self._head_t is None or self._head_t[0] is not head.weight:
+            self._head_t = (head.weight, head.weight.T)
+            mx.eval(self._head_t[1])
+        return self._head_t[1]
+
+    def _final_logits(self, h: mx.array) -> mx.array:
+        """lm_head(norm(h)): compiled for block-sized inputs (the norm's ops fuse)."""
+        if h.shape[1] > COMPILED_MAX_ROWS:
+            return self.lm_head(self.inner.norm(h))
+        fn = self._compiled.get("head")
+        if fn is None:
+            fn = self._compiled["head"] = mx.compile(lambda h: self.lm_head(self.inner.norm(h)), inputs=self.inner.norm.state)
+        return fn(h)
 
     def __call__(
         self,
@@ -189,11 +288,12 @@ class TargetRunner:
             mask = create_attention_mask(h, cache[self._attention_index])
         tapped = {}
         wanted = set(taps or ())
+        rope_rows: dict = {}  # this pass's cos/sin rows per RoPE table, shared by the layers
         for i, (layer, kind) in enumerate(zip(self.layers, self.kinds)):
             if kind == "gdn":
                 h = self._gated_delta_layer(i, layer, h, cache[i], record)
             elif self._walked_attention[i]:
-                h = self._gated_attention_layer(i, layer, h, mask, cache[i])
+                h = self._gated_attention_layer(i, layer, h, mask, cache[i], rope_rows)
             else:
                 h = layer(h, mask=mask, cache=cache[i])
             if i in wanted:
@@ -201,15 +301,22 @@ class TargetRunner:
         cache.advance(tokens.shape[1])
         logits = None
         if logits_from < tokens.shape[1]:
-            logits = self.lm_head(self.inner.norm(h[:, logits_from:] if logits_from else h))
+            logits = self._final_logits(h[:, logits_from:] if logits_from else h)
         features = mx.concatenate([tapped[i] for i in taps], axis=-1) if taps else None
         return logits, features
 
-    def _gated_attention_layer(self, i: int, layer: nn.Module, h: mx.array, mask, cache) -> mx.array:
+    def _gated_attention_layer(self, i: int, layer: nn.Module, h: mx.array, mask, cache, rope_rows: dict) -> mx.array:
         """A Qwen3.5/3.8 gated attention decoder layer: the projections before and the output gate
         and MLP after the KV cache update run compiled (one trace per row count), the cache
         update and the attention itself as mlx-lm does them."""
         offset = mx.array(cache.offset, dtype=mx.int32)
+        table = self._rope_table(layer.self_attn)
+        rows = ()
+        if table is not None:
+            if table not in rope_rows:
+                start = mx.array([cache.offset], dtype=mx.int32)
+                rope_rows[table] = rope.table_rows(table.covering(cache.offset + h.shape[1]), start, h.shape[1])
+            rows = rope_rows[table]
         if h.shape[1] <= COMPILED_MAX_ROWS:
             before, after = self._compiled.get(("attention", i), (None, None))
             if before is None:
@@ -218,11 +325,12 @@ class TargetRunner:
                 self._compiled[("attention", i)] = (before, after)
         else:
             before, after = partial(gated_attention_inputs, layer), partial(gated_attention_output, layer)
-        queries, keys, values, gate = before(h, offset)
+        weights_t = self.weights_t(i, ATTENTION_PROJECTIONS + MLP_PROJECTIONS)
+        queries, keys, values, gate = before(h, offset, weights_t, rows)
         keys, values = cache.update_and_fetch(keys, values)
         attn = layer.self_attn
         out = scaled_dot_product_attention(queries, keys, values, cache=cache, scale=attn.scale, mask=mask)
-        return after(h, out, gate)
+        return after(h, out, gate, weights_t)
 
     def _gated_delta_layer(self, i: int, layer: nn.Module, h: mx.array, cache, record) -> mx.array:
         """One Gated DeltaNet decoder layer; updates its cache and, with ``record``, appends what
@@ -234,14 +342,16 @@ class TargetRunner:
         if conv_state is None:
             conv_state = mx.zeros((h.shape[0], gdn.conv_kernel_size - 1, gdn.conv_dim), dtype=h.dtype)
         keep = record is not None and _keeps_step_states(gdn, steps)
+        weights_t = self.weights_t(i, GDN_PROJECTIONS + MLP_PROJECTIONS)
         if state is not None and steps <= COMPILED_MAX_ROWS and not gdn.training:
             fn = self._compiled.get((i, keep))
             if fn is None:
                 fn = mx.compile(partial(gated_delta_layer, layer, keep=keep), inputs=layer.state)
                 self._compiled[(i, keep)] = fn
-            h, (conv_input, q, k, v, a, b), new_state, states = fn(h, conv_state, state)
+            h, (conv_input, q, k, v, a, b), new_state, states = fn(h, conv_state, state, weights_t)
         else:
-            h, (conv_input, q, k, v, a, b), new_state, states = gated_delta_layer(layer, h, conv_state, state, keep)
+            h, (conv_input, q, k, v, a, b), new_state, states = gated_delta_layer(
+                layer, h, conv_state, state, weights_t, keep)
         cache[0] = mx.contiguous(conv_input[:, -(gdn.conv_kernel_size - 1):, :])
         cache[1] = new_state
         cache.advance(steps)
@@ -251,22 +361,24 @@ class TargetRunner:
         return h
 
 
-def gated_delta_layer(layer: nn.Module, h: mx.array, conv_state: mx.array, state: Optional[mx.array], keep: bool = False):
+def gated_delta_layer(layer: nn.Module, h: mx.array, conv_state: mx.array, state: Optional[mx.array],
+                      weights_t: Optional[dict] = None, keep: bool = False):
     """A Qwen3.5/3.8 Gated DeltaNet decoder layer on ``h`` [1, S, H]; a pure function, so that it
     can be compiled -> (output rows, the recurrence's inputs (conv_input, q, k, v, a, b), the state
     after the pass, and with ``keep`` the state after every step [1, S, Hv, Dv, Dk] (else [])).
 
     Mirrors mlx_lm.models.qwen3_5 (DecoderLayer and GatedDeltaNet.__call__) for an unpadded batch
-    of one; a test pins the two to identical outputs and states.
+    of one; a test pins the two to identical outputs and states. ``weights_t``: transposed views
+    of the dense projections' weights by path (``TargetRunner.weights_t``), or None.
     """
     gdn = layer.linear_attn
     B, S, H = h.shape
     rows = h.reshape(B * S, H)  # 2-D rows: each projection is then one matmul, no reshapes around it
     x = layer.input_layernorm(rows)
-    qkv = gdn.in_proj_qkv(x).reshape(B, S, -1)
-    z = gdn.in_proj_z(x).reshape(B, S, gdn.num_v_heads, gdn.head_v_dim)
-    b = gdn.in_proj_b(x).reshape(B, S, -1)
-    a = gdn.in_proj_a(x).reshape(B, S, -1)
+    qkv = _project(x, layer, "linear_attn.in_proj_qkv", weights_t).reshape(B, S, -1)
+    z = _project(x, layer, "linear_attn.in_proj_z", weights_t).reshape(B, S, gdn.num_v_heads, gdn.head_v_dim)
+    b = _project(x, layer, "linear_attn.in_proj_b", weights_t).reshape(B, S, -1)
+    a = _project(x, layer, "linear_attn.in_proj_a", weights_t).reshape(B, S, -1)
     conv_input = mx.concatenate([conv_state, qkv], axis=1)
     conv_out = nn.silu(gdn.conv1d(conv_input))
     q, k, v = gated_delta_qkv(gdn, conv_out)
@@ -281,30 +393,39 @@ def gated_delta_layer(layer: nn.Module, h: mx.array, conv_state: mx.array, state
             q, k, v, a, b, gdn.A_log, gdn.dt_bias, state, None, use_kernel=not gdn.training
         )
     out = gdn.norm(out, z)
-    rows = rows + gdn.out_proj(out.reshape(B * S, -1))
-    rows = rows + layer.mlp(layer.post_attention_layernorm(rows))
+    rows = rows + _project(out.reshape(B * S, -1), layer, "linear_attn.out_proj", weights_t)
+    rows = rows + _mlp(layer, layer.post_attention_layernorm(rows), weights_t)
     return rows.reshape(B, S, H), (conv_input, q, k, v, a, b), new_state, states
 
 
-def gated_attention_inputs(layer: nn.Module, h: mx.array, offset: mx.array):
+def gated_attention_inputs(layer: nn.Module, h: mx.array, offset: mx.array, weights_t: Optional[dict] = None,
+                           rope_rows: tuple = ()):
     """The first half of mlx-lm's Qwen3NextAttention.__call__ (inside a DecoderLayer) for rows
-    ``h`` [1, L, H] at positions offset.. -> roped queries and keys, values, the output gate."""
+    ``h`` [1, L, H] at positions offset.. -> roped queries and keys, values, the output gate.
+    With ``rope_rows`` (cos, sin of those positions, ``TargetRunner._rope_table``) RoPE is
+    computed from them, bit for bit what the layer's nn.RoPE computes, in fewer ops."""
     attn = layer.self_attn
     B, L, H = h.shape
     x = layer.input_layernorm(h.reshape(B * L, H))  # 2-D rows: one matmul per projection
-    queries, gate = mx.split(attn.q_proj(x).reshape(B, L, attn.num_attention_heads, -1), 2, axis=-1)
+    queries = _project(x, layer, "self_attn.q_proj", weights_t)
+    queries, gate = mx.split(queries.reshape(B, L, attn.num_attention_heads, -1), 2, axis=-1)
     gate = gate.reshape(B, L, -1)
-    keys, values = attn.k_proj(x), attn.v_proj(x)
+    keys = _project(x, layer, "self_attn.k_proj", weights_t)
+    values = _project(x, layer, "self_attn.v_proj", weights_t)
     queries = attn.q_norm(queries).transpose(0, 2, 1, 3)
     keys = attn.k_norm(keys.reshape(B, L, attn.num_key_value_heads, -1)).transpose(0, 2, 1, 3)
     values = values.reshape(B, L, attn.num_key_value_heads, -1).transpose(0, 2, 1, 3)
+    if rope_rows:
+        return rope.apply(queries, *rope_rows), rope.apply(keys, *rope_rows), values, gate
     return attn.rope(queries, offset=offset), attn.rope(keys, offset=offset), values, gate
 
 
-def gated_attention_output(layer: nn.Module, h: mx.array, attention: mx.array, gate: mx.array) -> mx.array:
+def gated_attention_output(layer: nn.Module, h: mx.array, attention: mx.array, gate: mx.array,
+                           weights_t: Optional[dict] = None) -> mx.array:
     """The rest of the decoder layer: output gate and projection, residual, MLP, residual."""
     B, L, H = h.shape
     out = attention.transpose(0, 2, 1, 3).reshape(B * L, -1)
-    rows = h.reshape(B * L, H) + layer.self_attn.o_proj(out * mx.sigmoid(gate.reshape(B * L, -1)))
-    rows = rows + layer.mlp(layer.post_attention_layernorm(rows))
+    out = _project(out * mx.sigmoid(gate.reshape(B * L, -1)), layer, "self_attn.o_proj", weights_t)
+    rows = h.reshape(B * L, H) + out
+    rows = rows + _mlp(layer, layer.post_attention_layernorm(rows), weights_t)
     return rows.reshape(B, L, H)
