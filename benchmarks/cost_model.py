@@ -99,62 +99,87 @@ def build(dtype: mx.Dtype, bits: int | None):
     return TargetRunner(model), drafter
 
 
+PREFILL_CHUNK = 512  # bounds the prefill's activations at real widths
+
+
+class Setting:
+    """A target cache holding ``context`` random tokens (prefilled in chunks), its snapshot, and a
+    drafter context cache fed their features: what a cycle at that context starts from."""
+
+    def __init__(self, runner, drafter, context: int):
+        self.runner, self.drafter, self.context = runner, drafter, context
+        self.tokens = mx.random.randint(0, runner.vocab_size, (1, context + 16)).astype(mx.int32)
+        self.taps = drafter.config.target_layer_ids
+        self.cache = runner.make_cache()
+        self.ctx = drafter.make_cache()
+        for start in range(0, context, PREFILL_CHUNK):
+            chunk = self.tokens[:, start : min(start + PREFILL_CHUNK, context)]
+            _, features = runner(chunk, self.cache, self.taps, logits_from=chunk.shape[1])
+            drafter.absorb(features, self.ctx)
+            mx.eval(features, [c.state for c in self.cache.layers], self.ctx.state)
+        self.features = features
+        self.snap = self.cache.snapshot()
+        self.block = mx.concatenate(
+            [self.tokens[:, :1], mx.full((1, 7), drafter.config.mask_token_id, dtype=mx.int32)], axis=1)
+
+    def verify(self, rows: int) -> tuple[list, mx.array, mx.array]:
+        """One target pass over ``rows`` new tokens after the context (recording for rollback)."""
+        self.cache.restore(self.snap)
+        rec = []
+        logits, feats = self.runner(self.tokens[:, self.context : self.context + rows], self.cache, self.taps, rec)
+        mx.eval(logits, feats, [c.state for c in self.cache.layers])
+        return rec, logits, feats
+
+    def rollback_ms(self) -> float:
+        """Rollback after an 8-row verify that keeps 5 rows, timed alone."""
+        rec, _, _ = self.verify(8)
+        t0 = time.perf_counter()
+        self.cache.rollback(rec, fed=8, keep=5)
+        mx.eval([c.state for c in self.cache.layers])
+        return 1000 * (time.perf_counter() - t0)
+
+    def draft(self) -> tuple[mx.array, mx.array]:
+        """The drafter's part of a cycle: 5 new context rows, the 8-row block, 7 rows of logits,
+        the selector -> (hidden, logits)."""
+        c = self.ctx.copy()
+        hidden = self.drafter(self.runner.embed(self.block), self.features[:, -5:], c)[:, 1:]
+        logits = self.drafter.logits(hidden, self.runner.lm_head)
+        mx.eval(self.drafter.select_greedy(hidden, logits, self.block[:, 0]))
+        return hidden, logits
+
+
+def cycle_and_step(runner, drafter, context: int, repeats: int) -> dict:
+    """One speculative cycle (draft + 8-row verify + rollback) and one autoregressive step (a
+    1-row pass), each the median of ``repeats``, at a ``context``-token context."""
+    s = Setting(runner, drafter, context)
+    out = {"context": context, "draft_ms": median_ms(s.draft, repeats),
+           "verify_8_ms": median_ms(lambda: s.verify(8), repeats),
+           "ar_step_ms": median_ms(lambda: s.verify(1), repeats)}
+    s.rollback_ms()
+    out["rollback_ms"] = statistics.median(s.rollback_ms() for _ in range(repeats))
+    out["cycle_ms"] = out["draft_ms"] + out["verify_8_ms"] + out["rollback_ms"]
+    out["cycle_over_step"] = out["cycle_ms"] / out["ar_step_ms"]
+    return out
+
+
 def measure(runner, drafter, context: int, repeats: int) -> dict:
     from dflash2_mlx import kernels
 
-    rng_tokens = mx.random.randint(0, 248000, (1, context + 16)).astype(mx.int32)
-    taps = drafter.config.target_layer_ids
-    cache = runner.make_cache()
-    _, features = runner(rng_tokens[:, :context], cache, taps, logits_from=context)
-    mx.eval(features, [c.state for c in cache.layers])
-    snap = cache.snapshot()
+    s = Setting(runner, drafter, context)
     out: dict = {"context": context}
-
-    def verify(rows: int):
-        def run():
-            cache.restore(snap)
-            rec = []
-            logits, feats = runner(rng_tokens[:, context : context + rows], cache, taps, rec)
-            mx.eval(logits, feats, [c.state for c in cache.layers])
-        return run
-
-    out["verify_ms"] = {b: median_ms(verify(b), repeats) for b in (1, 2, 4, 8, 12, 16)}
+    out["verify_ms"] = {b: median_ms(lambda b=b: s.verify(b), repeats) for b in (1, 2, 4, 8, 12, 16)}
     one = out["verify_ms"][1]
     out["verify_relative"] = {b: ms / one for b, ms in out["verify_ms"].items()}
-
-    # Rollback after an 8-row verify that keeps 5 (timed alone: the verify is done first).
-    def rollback():
-        cache.restore(snap)
-        rec = []
-        logits, feats = runner(rng_tokens[:, context : context + 8], cache, taps, rec)
-        mx.eval(logits, feats, [c.state for c in cache.layers])
-        t0 = time.perf_counter()
-        cache.rollback(rec, fed=8, keep=5)
-        mx.eval([c.state for c in cache.layers])
-        return 1000 * (time.perf_counter() - t0)
-
-    rollback()
-    out["rollback_ms"] = statistics.median(rollback() for _ in range(repeats))
-
-    # The drafter's part of a cycle: 5 new context rows, the 8-row block, 7 rows of logits, selector.
-    ctx = drafter.make_cache()
-    drafter.absorb(features, ctx)
-    mx.eval(ctx.keys)
-    new_rows = features[:, -5:]
-    block = mx.concatenate([rng_tokens[:, :1], mx.full((1, 7), drafter.config.mask_token_id, dtype=mx.int32)], axis=1)
+    s.rollback_ms()
+    out["rollback_ms"] = statistics.median(s.rollback_ms() for _ in range(repeats))
     hidden_keep = {}
 
     def draft():
-        c = ctx.copy()
-        hidden = drafter(runner.embed(block), new_rows, c)[:, 1:]
-        logits = drafter.logits(hidden, runner.lm_head)
-        tokens = drafter.select_greedy(hidden, logits, block[:, 0])
-        mx.eval(tokens)
-        hidden_keep["h"], hidden_keep["l"] = hidden, logits
+        hidden_keep["h"], hidden_keep["l"] = s.draft()
 
     out["draft_cycle_ms"] = median_ms(draft, repeats)
     h, l = hidden_keep["h"], hidden_keep["l"]
-    out["selector_ms"] = median_ms(lambda: mx.eval(drafter.select_greedy(h, l, block[:, :1][:, 0])), repeats)
+    out["selector_ms"] = median_ms(lambda: mx.eval(drafter.select_greedy(h, l, s.block[:, 0])), repeats)
     layer = drafter.layers[0]
     x = mx.random.normal((1, 8, 5120)).astype(h.dtype)
 

@@ -2,6 +2,7 @@
 short and a long context, on the embedded pair (or --model/--draft-model).
 
     python benchmarks/long_context.py [--short 256] [--long 4000] [--max-tokens 96] [--repeats 3]
+    python benchmarks/long_context.py --reduced-depth [--short 256] [--long 4096]
 
 The contexts are held-out standard-library text (the embedded pair's own domain), cut to the
 given token counts. Per context: one speculative and one plain run after a warm-up; cycle time =
@@ -17,6 +18,7 @@ import argparse
 import json
 import statistics
 import sys
+from pathlib import Path
 
 import dflash2_mlx  # noqa: F401  (OpenBLAS before mlx.core)
 
@@ -58,7 +60,13 @@ def main(argv=None) -> int:
     ap.add_argument("--long", type=int, default=4000)
     ap.add_argument("--max-tokens", type=int, default=96)
     ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--reduced-depth", action="store_true",
+                    help="Qwen3.8-27B / DFlash 2 widths at reduced depth, random weights, float32 "
+                         "(benchmarks/cost_model.py): cycle = draft + 8-row verify + rollback, "
+                         "AR step = a 1-row pass, at both contexts (about 18 GB of memory)")
     args = ap.parse_args(argv)
+    if args.reduced_depth:
+        return reduced_depth(args.short, args.long, args.repeats)
     from dflash2_mlx import assets
     from dflash2_mlx.loading import load_drafter, load_target
 
@@ -79,6 +87,26 @@ def main(argv=None) -> int:
               f"cycle / step {r['cycle_over_step']:.2f}, acceptance {r['acceptance_length']:.2f}")
     change = rows[1]["cycle_over_step"] / rows[0]["cycle_over_step"] - 1
     print(f"cycle / step at {rows[1]['context']} vs {rows[0]['context']} tokens: {100 * change:+.1f}%")
+    print(json.dumps({"rows": rows, "relative_change": change}))
+    return 0
+
+
+def reduced_depth(short: int, long: int, repeats: int) -> int:
+    """The same ratio at the real widths, where the target's weights, not its attention over the
+    context, set the cost of a pass (the embedded pair's hidden size is 256)."""
+    import mlx.core as mx
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    import cost_model
+
+    runner, drafter = cost_model.build(mx.float32, None)
+    rows = [cost_model.cycle_and_step(runner, drafter, n, repeats) for n in (short, long)]
+    for r in rows:
+        print(f"context {r['context']:5d}: cycle {r['cycle_ms']:.0f} ms (draft {r['draft_ms']:.0f}, verify "
+              f"{r['verify_8_ms']:.0f}, rollback {r['rollback_ms']:.1f}), AR step {r['ar_step_ms']:.0f} ms, "
+              f"cycle / step {r['cycle_over_step']:.3f}")
+    change = rows[1]["cycle_over_step"] / rows[0]["cycle_over_step"] - 1
+    print(f"cycle / step at {long} vs {short} tokens (real widths, reduced depth): {100 * change:+.1f}%")
     print(json.dumps({"rows": rows, "relative_change": change}))
     return 0
 
