@@ -31,6 +31,7 @@ is changed).
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import sys
 import time
@@ -277,6 +278,9 @@ def main(argv: Optional[list[str]] = None) -> int:
     prompts = [lm_tok.encode(line["prompt"], add_special_tokens=False) for line in lines]
 
     runnable = [i for i in impls if i.run is not None]
+    gc.collect()
+    gc.freeze()  # as the CLI does after loading: a full collection over the loaded objects would
+    # stall whichever implementation is running at that moment for ~0.1 s
     for impl in runnable:  # warm-up: compile, allocate, fault the weights in
         impl.run(prompts[0][:64])
     for k, ids in enumerate(prompts):

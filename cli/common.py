@@ -137,7 +137,18 @@ def load_models(choice: ModelChoice, block_size: Optional[int] = None, quiet: bo
             validate_pair(target.runner, drafter.config, target.name)
     if drafter is not None and block_size is not None and not 1 < block_size <= drafter.config.block_size:
         fail(f"--block-size must be in 2..{drafter.config.block_size} for this drafter, got {block_size}")
+    freeze_loaded_objects()
     return target, drafter
+
+
+def freeze_loaded_objects() -> None:
+    """Move everything loaded so far (models, tokenizer, libraries: ~200K objects) out of the
+    cyclic garbage collector's reach: they live for the whole run, and a full collection that
+    walks them stalls decoding for ~0.1 s (measured on the embedded pair: 5% of decode time)."""
+    import gc
+
+    gc.collect()
+    gc.freeze()
 
 
 class _null:

@@ -238,7 +238,8 @@ class DrafterLayer(nn.Module):
         self.has_convs = config.is_dflash2
 
     def __call__(self, x: mx.array, attend: Callable[[DrafterAttention, mx.array], mx.array]) -> mx.array:
-        """``attend(self_attn, h)`` runs the attention sublayer (inference or training form)."""
+        """``attend(self_attn, h)`` runs the attention sublayer. This module form is the training
+        forward's (and the specification of ``drafter_step``, which decodes on packed weights)."""
         h = self.input_layernorm(x)
         if self.has_convs:
             h, dynamic = self.attention_conv.prepare(h)

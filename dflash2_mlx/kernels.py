@@ -88,10 +88,10 @@ def reference_two_tap_conv(x: mx.array, dynamic: mx.array, base: mx.array) -> mx
     base_taps = mx.split(base.astype(mx.float32), taps, axis=0)  # K x [1, H]
     out = None
     for j in range(taps):
-        # tap j multiplies x[t - j], zero before the block's first row
-        shifted = xf if j == 0 else mx.concatenate(
-            [mx.array(np.zeros((n, min(j, length), hidden), np.float32)), xf[:, : length - j]], axis=1)
-        term = (base_taps[j] + dynamic_taps[j]) * shifted
+        # tap j multiplies x[t - j], zero before the block's first row: a 0/1 shift matrix times
+        # x (exact, and one op where slicing and padding are two)
+        shift = np.broadcast_to(np.eye(length, k=-j, dtype=np.float32), (n, length, length))
+        term = (base_taps[j] + dynamic_taps[j]) * (xf if j == 0 else mx.array(shift) @ xf)
         out = term if out is None else out + term
     return out.astype(x.dtype)
 
@@ -131,8 +131,16 @@ def reference_select_greedy(
 ) -> mx.array:
     """Greedy path through each row's candidates, starting from the anchor token."""
     pairs = _pair_scores(anchor, candidates, unary, hidden, predecessor_codebook, successor_codebook)
-    chosen = _walk(pairs, lambda i, scores: mx.argmax(scores, axis=-1, keepdims=True))
-    return mx.take_along_axis(candidates, chosen[..., None], axis=-1)[..., 0]
+    # Each row's best candidate after each possible predecessor, for all rows at once; the walk
+    # then only follows these pointers (one gather per row).
+    best = mx.argmax(pairs, axis=-1).astype(mx.int32)  # [N, R, k]
+    n, rows, _ = best.shape
+    choice = mx.zeros((n, 1, 1), dtype=mx.int32)  # row 0's predecessor slot: the anchor
+    chosen = []
+    for row in mx.split(best, rows, axis=1):  # [N, 1, k]
+        choice = mx.take_along_axis(row, choice, axis=-1)  # [N, 1, 1]
+        chosen.append(choice)
+    return mx.take_along_axis(candidates, mx.concatenate(chosen, axis=1), axis=-1)[..., 0]
 
 
 def reference_select_sampled(

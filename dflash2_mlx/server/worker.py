@@ -219,6 +219,7 @@ class Worker:
         if self.prefix_cache_bytes > 0:
             self.prefix_cache = PrefixCache(max_bytes=self.prefix_cache_bytes)
         gc.collect()
+        gc.freeze()  # the loaded models live as long as the server: keep full collections short
         mx.clear_cache()
         self.metrics.baseline_memory = mx.get_active_memory()
         self._refresh_gauges()
