@@ -328,19 +328,9 @@ class Drafter(nn.Module):
     def select_greedy(self, hidden: mx.array, logits: mx.array, anchor: mx.array) -> mx.array:
         """The candidate selector's greedy path (DFlash 2), compiled: hidden [N, R, H], logits
         [N, R, V], anchor [N] -> draft tokens [N, R]."""
-        return self._compiled("select", self.candidate_selector.greedy)(hidden, logits, anchor)
-
-    def _compiled(self, name: str, fn: Callable) -> Callable:
-        """``fn`` compiled (one trace per input shape), or ``fn`` itself while kernel overrides are
-        active (tests route kernels through callbacks that need concrete arrays)."""
-        if kernels.overridden():
-            return fn
-        compiled = self._compiled_fns.get(name)
-        if compiled is None:
-            kernels.prepare()  # Metal self-checks must run eagerly, never inside a trace
-            # the parameters are inputs, so a drafter updated in place (training) is seen
-            compiled = self._compiled_fns[name] = mx.compile(fn, inputs=self.state)
-        return compiled
+        # the parameters are captured inputs, so a drafter updated in place (training) is seen
+        select = kernels.compiled(self._compiled_fns, "select", self.candidate_selector.greedy, self.state)
+        return select(hidden, logits, anchor)
 
     def train_forward(self, block_embeds: mx.array, features: mx.array, anchors: mx.array) -> mx.array:
         """Final-normed hidden rows of N blocks drafted from one sequence, in one pass (training).

@@ -138,15 +138,8 @@ class DraftStep:
             self.repack()
 
     def _maybe_compiled(self, name: str, fn: Callable) -> Callable:
-        """``fn`` compiled (one trace per input shape), or ``fn`` itself while kernel overrides are
-        active (tests route kernels through callbacks that need concrete arrays)."""
-        if kernels.overridden():
-            return fn
-        compiled = self._compiled.get(name)
-        if compiled is None:
-            kernels.prepare()  # Metal self-checks must run eagerly, never inside a trace
-            compiled = self._compiled[name] = mx.compile(fn, inputs=self.arrays)
-        return compiled
+        # the packed arrays are captured inputs: refilled in place, they are seen by the traces
+        return kernels.compiled(self._compiled, name, fn, self.arrays)
 
     @staticmethod
     def _rope_rows(table: mx.array, start: mx.array, length: int, dtype) -> tuple[mx.array, mx.array]:

@@ -718,6 +718,18 @@ def overridden() -> bool:
     return bool(_STATE.overrides)
 
 
+def compiled(cache: dict, name: str, fn: Callable, inputs) -> Callable:
+    """``fn`` compiled with ``inputs`` captured (one trace per input shape, kept in ``cache``
+    under ``name``), or ``fn`` itself inside an :func:`override` block, whose callbacks may need
+    concrete arrays. The Metal self-checks run first, eagerly: never inside a trace."""
+    if overridden():
+        return fn
+    if name not in cache:
+        prepare()
+        cache[name] = mx.compile(fn, inputs=inputs)
+    return cache[name]
+
+
 def active_kernels() -> dict[str, str]:
     """Kernel name -> "override" (routed by :func:`override`), "metal" (the fused kernel is used
     where the call's shapes allow it; it has not failed a self-check) or "reference" (plain MLX
