@@ -148,18 +148,29 @@ class Setting:
         return hidden, logits
 
 
-def cycle_and_step(runner, drafter, context: int, repeats: int) -> dict:
-    """One speculative cycle (draft + 8-row verify + rollback) and one autoregressive step (a
-    1-row pass), each the median of ``repeats``, at a ``context``-token context."""
-    s = Setting(runner, drafter, context)
-    out = {"context": context, "draft_ms": median_ms(s.draft, repeats),
-           "verify_8_ms": median_ms(lambda: s.verify(8), repeats),
-           "ar_step_ms": median_ms(lambda: s.verify(1), repeats)}
-    s.rollback_ms()
-    out["rollback_ms"] = statistics.median(s.rollback_ms() for _ in range(repeats))
-    out["cycle_ms"] = out["draft_ms"] + out["verify_8_ms"] + out["rollback_ms"]
-    out["cycle_over_step"] = out["cycle_ms"] / out["ar_step_ms"]
-    return out
+def cycle_and_step(runner, drafter, contexts: list[int], repeats: int) -> list[dict]:
+    """Per context: one speculative cycle (draft + 8-row verify + rollback) and one autoregressive
+    step (a 1-row pass), medians of ``repeats``. The contexts are measured in turn within each
+    repeat, so that a slow spell of a shared machine hits all of them."""
+    settings = [Setting(runner, drafter, n) for n in contexts]
+    for s in settings:  # warm-up: traces, allocations
+        s.draft(), s.verify(8), s.verify(1), s.rollback_ms()
+    times = [{"draft_ms": [], "verify_8_ms": [], "ar_step_ms": [], "rollback_ms": []} for _ in settings]
+    for _ in range(repeats):
+        for s, t in zip(settings, times):
+            for key, fn in (("draft_ms", s.draft), ("verify_8_ms", lambda: s.verify(8)),
+                            ("ar_step_ms", lambda: s.verify(1))):
+                t0 = time.perf_counter()
+                fn()
+                t[key].append(1000 * (time.perf_counter() - t0))
+            t["rollback_ms"].append(s.rollback_ms())
+    rows = []
+    for s, t in zip(settings, times):
+        row = {"context": s.context, **{k: statistics.median(v) for k, v in t.items()}}
+        row["cycle_ms"] = row["draft_ms"] + row["verify_8_ms"] + row["rollback_ms"]
+        row["cycle_over_step"] = row["cycle_ms"] / row["ar_step_ms"]
+        rows.append(row)
+    return rows
 
 
 def measure(runner, drafter, context: int, repeats: int) -> dict:

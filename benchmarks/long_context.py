@@ -100,7 +100,7 @@ def reduced_depth(short: int, long: int, repeats: int) -> int:
     import cost_model
 
     runner, drafter = cost_model.build(mx.float32, None)
-    rows = [cost_model.cycle_and_step(runner, drafter, n, repeats) for n in (short, long)]
+    rows = cost_model.cycle_and_step(runner, drafter, [short, long], repeats)
     for r in rows:
         print(f"context {r['context']:5d}: cycle {r['cycle_ms']:.0f} ms (draft {r['draft_ms']:.0f}, verify "
               f"{r['verify_8_ms']:.0f}, rollback {r['rollback_ms']:.1f}), AR step {r['ar_step_ms']:.0f} ms, "
