@@ -74,7 +74,7 @@ class TargetCache:
                     rec.a[:, :keep], rec.b[:, :keep], rec.A_log, rec.dt_bias, rec.state,
                 )
             window = rec.conv_input.shape[1] - fed  # K - 1
-            c[0] = mx.contiguous(rec.conv_input[:, keep : keep + window])
+            c[0] = rec.conv_input[:, keep : keep + window]  # a view: a verify pass's input is a few rows
             c[1] = state
 
     def snapshot(self) -> "CacheSnapshot":

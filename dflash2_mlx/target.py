@@ -352,7 +352,10 @@ class TargetRunner:
         else:
             h, (conv_input, q, k, v, a, b), new_state, states = gated_delta_layer(
                 layer, h, conv_state, state, weights_t, keep)
-        cache[0] = mx.contiguous(conv_input[:, -(gdn.conv_kernel_size - 1):, :])
+        conv_state = conv_input[:, -(gdn.conv_kernel_size - 1):, :]
+        # a copy frees a prefill chunk's whole conv input (mlx-lm copies always); a block's is a
+        # few rows, and the view saves an op per layer per pass
+        cache[0] = conv_state if steps <= COMPILED_MAX_ROWS else mx.contiguous(conv_state)
         cache[1] = new_state
         cache.advance(steps)
         if record is not None:
