@@ -18,6 +18,7 @@ from typing import Optional
 
 import mlx.core as mx
 import mlx.nn as nn
+import numpy as np
 from mlx_lm.models.activations import swiglu
 from mlx_lm.models.base import create_attention_mask, scaled_dot_product_attention
 from mlx_lm.models.qwen3_next import Qwen3NextAttention, Qwen3NextMLP
@@ -286,6 +287,12 @@ class TargetRunner:
         mask = None
         if self._attention_index is not None:
             mask = create_attention_mask(h, cache[self._attention_index])
+            if isinstance(mask, str) and mask == "causal" and tokens.shape[1] <= COMPILED_MAX_ROWS \
+                    and mx.default_device() == mx.cpu:
+                # the boolean mask MLX's CPU attention builds from "causal" in every layer (a few
+                # ops each), made once on the host: the same where(mask, scores, -inf) follows
+                offset, rows = cache[self._attention_index].offset, tokens.shape[1]
+                mask = mx.array(np.arange(offset + rows)[None] <= offset + np.arange(rows)[:, None])
         tapped = {}
         wanted = set(taps or ())
         rope_rows: dict = {}  # this pass's cos/sin rows per RoPE table, shared by the layers
