@@ -4,7 +4,7 @@ On MLX's CPU backend every op costs about 5-25 us whatever its size (the stream 
 per op), so at the demo pair's widths a cycle's time is mostly its op count (docs/benchmarks.md).
 These counts are exact and deterministic, unlike timings: they pin the compiled layers, the
 drafter's packed step and the selector's pointer walk against a change that quietly brings back
-hundreds of small ops. Budgets are the session-4 counts (367 / 495 / 311) plus about 10%.
+hundreds of small ops. Budgets are the session-4 counts (367 / 483 / 311) plus about 10%.
 """
 
 from __future__ import annotations
