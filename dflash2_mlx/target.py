@@ -66,25 +66,10 @@ def _keeps_step_states(gdn: nn.Module, steps: int) -> bool:
 # whose lengths vary with the prompt, do not (every new shape would be traced and kept).
 COMPILED_MAX_ROWS = 16
 
-# The dense projections of a walked layer, by path inside the decoder layer.
-GDN_PROJECTIONS = ("linear_attn.in_proj_qkv", "linear_attn.in_proj_z", "linear_attn.in_proj_b",
-                   "linear_attn.in_proj_a", "linear_attn.out_proj")
-ATTENTION_PROJECTIONS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj")
-MLP_PROJECTIONS = ("mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")
-
-
 def _submodule(layer: nn.Module, path: str) -> nn.Module:
     for name in path.split("."):
         layer = getattr(layer, name)
     return layer
-
-
-def _has_submodule(layer: nn.Module, path: str) -> bool:
-    for name in path.split("."):
-        if not isinstance(layer, nn.Module) or name not in layer:
-            return False
-        layer = layer[name]
-    return True
 
 
 def _project(x: mx.array, layer: nn.Module, path: str, weights_t: Optional[dict]) -> mx.array:
@@ -214,18 +199,16 @@ class TargetRunner:
             self._rope_tables[key] = rope.RopeTable(module, attn.head_dim, module.dims)
         return self._rope_tables[key]
 
-    def weights_t(self, i: int, paths: tuple[str, ...]) -> dict:
-        """Transposed views of layer i's dense nn.Linear weights by path (views, no copies),
-        evaluated once: passed to the walked layers, they save one transpose op per matmul.
-        Rebuilt if a weight was replaced since (a model updated in place); the check is a
+    def weights_t(self, i: int) -> dict:
+        """Transposed views of layer i's dense nn.Linear weights by module path (views, no
+        copies), evaluated once: passed to the walked layers, they save one transpose op per
+        matmul. Rebuilt if a weight was replaced since (a model updated in place); the check is a
         few dict lookups, as it runs for every layer of every pass."""
         cached = self._weights_t.get(i)
         if cached is not None and all(m["weight"] is w for m, w in cached[0]):
             return cached[1]
-        layer = self.layers[i]
-        linears = {p: _submodule(layer, p) for p in paths if _has_submodule(layer, p)}
-        dense = {p: m for p, m in linears.items() if type(m) is nn.Linear}
-        views = {p: m["weight"].T for p, m in dense.items()}
+        dense = {path: m for path, m in self.layers[i].named_modules() if type(m) is nn.Linear}
+        views = {path: m["weight"].T for path, m in dense.items()}
         mx.eval(views)
         self._weights_t[i] = ([(m, m["weight"]) for m in dense.values()], views)
         return views
@@ -332,7 +315,7 @@ class TargetRunner:
                 self._compiled[("attention", i)] = (before, after)
         else:
             before, after = partial(gated_attention_inputs, layer), partial(gated_attention_output, layer)
-        weights_t = self.weights_t(i, ATTENTION_PROJECTIONS + MLP_PROJECTIONS)
+        weights_t = self.weights_t(i)
         queries, keys, values, gate = before(h, offset, weights_t, rows)
         keys, values = cache.update_and_fetch(keys, values)
         attn = layer.self_attn
@@ -349,7 +332,7 @@ class TargetRunner:
         if conv_state is None:
             conv_state = mx.zeros((h.shape[0], gdn.conv_kernel_size - 1, gdn.conv_dim), dtype=h.dtype)
         keep = record is not None and _keeps_step_states(gdn, steps)
-        weights_t = self.weights_t(i, GDN_PROJECTIONS + MLP_PROJECTIONS)
+        weights_t = self.weights_t(i)
         if state is not None and steps <= COMPILED_MAX_ROWS and not gdn.training:
             fn = self._compiled.get((i, keep))
             if fn is None:
