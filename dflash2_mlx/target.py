@@ -83,6 +83,11 @@ def _project(x: mx.array, layer: nn.Module, path: str, weights_t: Optional[dict]
     return mx.addmm(linear["bias"], x, weight_t) if "bias" in linear else x @ weight_t
 
 
+def _rows_matmul(x: mx.array, weight_t: mx.array) -> mx.array:
+    """x [..., H] @ weight_t [H, O] on 2-D rows (a matmul on N-D input adds two reshape ops)."""
+    return (x.reshape(-1, x.shape[-1]) @ weight_t).reshape(*x.shape[:-1], -1)
+
+
 def _mlp(layer: nn.Module, x: mx.array, weights_t: Optional[dict]) -> mx.array:
     """The layer's MLP; mlx-lm's Qwen3NextMLP (down(swiglu(gate, up))) with transposed views."""
     if type(layer.mlp) is not Qwen3NextMLP or not weights_t:
@@ -229,9 +234,11 @@ class TargetRunner:
         runs as one matmul on 2-D rows with its weight's transposed view: nn.Linear's matmul,
         bit for bit, without the transpose and reshape ops around it."""
         weight_t = self._head_weight_t()
-        if weight_t is None:
-            return self.inner.embed_tokens.as_linear(hidden) if self._tied else self.outer.lm_head(hidden)
-        return (hidden.reshape(-1, hidden.shape[-1]) @ weight_t).reshape(*hidden.shape[:-1], -1)
+        return self._head(hidden) if weight_t is None else _rows_matmul(hidden, weight_t)
+
+    @property
+    def _head(self) -> nn.Module:
+        return self.inner.embed_tokens.as_linear if self._tied else self.outer.lm_head
 
     def _head_weight_t(self) -> Optional[mx.array]:
         head = self.inner.embed_tokens if self._tied else self.outer.lm_head
@@ -243,13 +250,21 @@ class TargetRunner:
         return self._head_t[1]
 
     def _final_logits(self, h: mx.array) -> mx.array:
-        """lm_head(norm(h)): compiled for block-sized inputs (the norm's ops fuse)."""
+        """lm_head(norm(h)): compiled for block-sized inputs (the norm's ops fuse). The norm's and
+        the head's parameters and the head's transposed view are inputs of the trace, so a model
+        updated in place is seen."""
         if h.shape[1] > COMPILED_MAX_ROWS:
             return self.lm_head(self.inner.norm(h))
+        weight_t = self._head_weight_t()
         fn = self._compiled.get("head")
         if fn is None:
-            fn = self._compiled["head"] = mx.compile(lambda h: self.lm_head(self.inner.norm(h)), inputs=self.inner.norm.state)
-        return fn(h)
+            head = self.inner.embed_tokens if self._tied else self.outer.lm_head
+            fn = self._compiled["head"] = mx.compile(self._norm_and_head, inputs=[self.inner.norm.state, head.state])
+        return fn(h) if weight_t is None else fn(h, weight_t)
+
+    def _norm_and_head(self, h: mx.array, *weight_t: mx.array) -> mx.array:
+        x = self.inner.norm(h)
+        return _rows_matmul(x, weight_t[0]) if weight_t else self._head(x)
 
     def __call__(
         self,

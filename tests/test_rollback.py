@@ -182,3 +182,19 @@ def test_kept_step_states_are_mlx_lms_recurrence_bit_for_bit(steps):
         _, prefix_state = gated_delta_update(q[:, : t + 1], k[:, : t + 1], v[:, : t + 1], a[:, : t + 1], b[:, : t + 1],
                                              A_log, dt_bias, state)
         assert mx.array_equal(states[:, t], prefix_state)
+
+
+def test_a_target_updated_in_place_is_seen_by_the_compiled_head(hybrid_target):
+    """The final norm and head run compiled with the head's transposed view as an input: a
+    replaced head weight must change the logits of the next pass (no stale trace)."""
+    _, model = hybrid_target
+    runner = TargetRunner(model)
+    head = runner.outer.lm_head
+    h = mx.random.normal((1, 8, runner.hidden_size), key=mx.random.key(4))
+    before, weight = runner._final_logits(h), head.weight
+    try:
+        head.weight = weight * 2
+        after = runner._final_logits(h)
+    finally:
+        head.weight = weight
+    np.testing.assert_allclose(np.array(after), 2 * np.array(before), rtol=1e-5, atol=1e-5)
