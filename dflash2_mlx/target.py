@@ -14,7 +14,7 @@ Supported: mlx-lm models whose text stack is ``<model>.layers`` with ``embed_tok
 from __future__ import annotations
 
 from functools import partial
-from typing import Optional
+from typing import Callable, Optional
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -188,9 +188,8 @@ class TargetRunner:
         ]
         # (i, keeps step states) -> compiled gated_delta_layer; ("attention", i) -> the two halves
         self._compiled: dict = {}
-        self._weights_t: dict = {}  # layer -> (the weights they were taken from, transposed views)
+        self._weights_t: dict = {}  # layer or "head" -> (the weights they were taken from, views)
         self._rope_tables: dict = {}  # RoPE settings -> rope.RopeTable
-        self._head_t: Optional[tuple] = None  # (the head's weight, its transposed view)
 
     def _rope_table(self, attn: nn.Module) -> Optional[rope.RopeTable]:
         """A cos/sin table for the layer's RoPE where it is exact and pays: a plain nn.RoPE
@@ -205,17 +204,22 @@ class TargetRunner:
         return self._rope_tables[key]
 
     def weights_t(self, i: int) -> dict:
-        """Transposed views of layer i's dense nn.Linear weights by module path (views, no
-        copies), evaluated once: passed to the walked layers, they save one transpose op per
-        matmul. Rebuilt if a weight was replaced since (a model updated in place); the check is a
-        few dict lookups, as it runs for every layer of every pass."""
-        cached = self._weights_t.get(i)
+        """Transposed views of layer i's dense nn.Linear weights by module path: passed to the
+        walked layers, they save one transpose op per matmul."""
+        return self._transposed_views(
+            i, lambda: {path: m for path, m in self.layers[i].named_modules() if type(m) is nn.Linear})
+
+    def _transposed_views(self, key, find: Callable[[], dict]) -> dict:
+        """{path: weight.T} of the modules ``find()`` returns (views, no copies), evaluated once
+        and kept under ``key``; rebuilt if a weight was replaced since (a model updated in place).
+        The check is a few dict lookups, as it runs for every layer of every pass."""
+        cached = self._weights_t.get(key)
         if cached is not None and all(m["weight"] is w for m, w in cached[0]):
             return cached[1]
-        dense = {path: m for path, m in self.layers[i].named_modules() if type(m) is nn.Linear}
-        views = {path: m["weight"].T for path, m in dense.items()}
+        modules = find()
+        views = {path: m["weight"].T for path, m in modules.items()}
         mx.eval(views)
-        self._weights_t[i] = ([(m, m["weight"]) for m in dense.values()], views)
+        self._weights_t[key] = ([(m, m["weight"]) for m in modules.values()], views)
         return views
 
     @property
@@ -244,10 +248,7 @@ class TargetRunner:
         head = self.inner.embed_tokens if self._tied else self.outer.lm_head
         if type(head) not in (nn.Linear, nn.Embedding) or "bias" in head:
             return None
-        if self._head_t is None or self._head_t[0] is not head.weight:
-            self._head_t = (head.weight, head.weight.T)
-            mx.eval(self._head_t[1])
-        return self._head_t[1]
+        return self._transposed_views("head", lambda: {"head": head})["head"]
 
     def _final_logits(self, h: mx.array) -> mx.array:
         """lm_head(norm(h)): compiled for block-sized inputs (the norm's ops fuse). The norm's and
