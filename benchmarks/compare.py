@@ -31,7 +31,6 @@ is changed).
 from __future__ import annotations
 
 import argparse
-import gc
 import json
 import sys
 import time
@@ -261,6 +260,7 @@ def main(argv: Optional[list[str]] = None) -> int:
 
     from dflash2_mlx import assets
     from dflash2_mlx.bench import read_prompts
+    from dflash2_mlx.loading import freeze_loaded_objects
 
     model = args.model or str(assets.demo_target_path())
     draft_model = args.draft_model or str(assets.demo_drafter_path())
@@ -278,9 +278,9 @@ def main(argv: Optional[list[str]] = None) -> int:
     prompts = [lm_tok.encode(line["prompt"], add_special_tokens=False) for line in lines]
 
     runnable = [i for i in impls if i.run is not None]
-    gc.collect()
-    gc.freeze()  # as the CLI does after loading: a full collection over the loaded objects would
-    # stall whichever implementation is running at that moment for ~0.1 s
+    # as the CLI does after loading: a full collection over the loaded objects would stall
+    # whichever implementation is running at that moment for ~0.1 s
+    freeze_loaded_objects()
     for impl in runnable:  # warm-up: compile, allocate, fault the weights in
         impl.run(prompts[0][:64])
     for k, ids in enumerate(prompts):

@@ -6,6 +6,7 @@ corrupt weight file) raises ``LoadError`` with one line that says what is wrong 
 
 from __future__ import annotations
 
+import gc
 import json
 import re
 from dataclasses import dataclass
@@ -215,3 +216,12 @@ def validate_pair(runner: TargetRunner, config: DrafterConfig, target_name: Opti
                 f"drafter was trained for {config.target_name} but the target is {target_name}; "
                 "acceptance may be low"
             )
+
+
+def freeze_loaded_objects() -> None:
+    """Move everything loaded so far (models, tokenizer, libraries: ~200K objects) out of the
+    cyclic garbage collector's reach. They live for the whole run, and a full collection that
+    walks them stalls decoding for ~0.1 s (measured on the embedded pair: 5% of decode time).
+    For applications (the CLI, the server, benchmarks) to call once their models are loaded."""
+    gc.collect()
+    gc.freeze()

@@ -208,6 +208,7 @@ class Worker:
                 validate_pair(self.target.runner, self.drafter.config, self.target.name)
         import mlx.core as mx
 
+        from dflash2_mlx.loading import freeze_loaded_objects
         from dflash2_mlx.prefix_cache import PrefixCache
 
         self.tokenizer = self.target.tokenizer
@@ -218,8 +219,7 @@ class Worker:
         self.defaults = _generation_defaults(self.target.path)
         if self.prefix_cache_bytes > 0:
             self.prefix_cache = PrefixCache(max_bytes=self.prefix_cache_bytes)
-        gc.collect()
-        gc.freeze()  # the loaded models live as long as the server: keep full collections short
+        freeze_loaded_objects()  # the loaded models live as long as the server
         mx.clear_cache()
         self.metrics.baseline_memory = mx.get_active_memory()
         self._refresh_gauges()
