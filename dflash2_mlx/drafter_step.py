@@ -5,8 +5,10 @@ block step and the context-row projection here, arranged for few ops: on MLX's C
 op costs 5-15 us whatever its size (the main thread wakes the stream thread once per op), and on
 Apple GPUs every op is a kernel launch, so at small widths a draft's time is its op count.
 
-- Weights enter as pre-transposed views (no transpose per matmul); ``Drafter`` marks the views
-  stale whenever its parameters are updated, and they are rebuilt before the next step.
+- Weights enter pre-transposed (no transpose per matmul): as row-major copies where
+  ``blas.row_major_copies_pay`` (float32 on the CPU, where OpenBLAS would otherwise repack a
+  transposed weight on every multi-row matmul), else as views. ``Drafter`` marks them stale
+  whenever its parameters are updated, and they are rebuilt before the next step.
 - q_norm and k_norm run as one norm over the block's query and key heads, and RoPE once over
   both, with cos/sin rows from a table shared by all layers (``rope.RopeTable``).
 - Projections run on 2-D rows (a matmul on 3-D input adds two reshape ops).
@@ -25,19 +27,19 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 
-from . import cpu_attention, kernels, rope
+from . import blas, cpu_attention, kernels, rope
 
 
-def _pack_linear(linear: nn.Module) -> tuple[dict, Optional[tuple]]:
-    """(arrays, static meta) of a projection: a dense weight as its transposed view; a quantized
-    one as its packed arrays with (group_size, bits, mode)."""
+def _pack_linear(linear: nn.Module, row_major: bool) -> tuple[dict, Optional[tuple]]:
+    """(arrays, static meta) of a projection: a dense weight transposed (a row-major copy or a
+    view); a quantized one as its packed arrays with (group_size, bits, mode)."""
     if isinstance(linear, nn.QuantizedLinear):
         arrays = {"weight": linear.weight, "scales": linear.scales}
         if "biases" in linear:
             arrays["biases"] = linear.biases
         meta = (linear.group_size, linear.bits, getattr(linear, "mode", "affine"))
     else:
-        arrays, meta = {"weight_t": linear.weight.T}, None
+        arrays, meta = {"weight_t": mx.contiguous(linear.weight.T) if row_major else linear.weight.T}, None
     if "bias" in linear:
         arrays["bias"] = linear.bias
     return arrays, meta
@@ -75,11 +77,13 @@ class DraftStep:
         self._compiled: dict = {}
 
     def repack(self) -> None:
-        """Rebuild the packed views from the drafter's current parameters."""
+        """Rebuild the packed weights from the drafter's current parameters."""
         fc, hidden_norm, layers, norm = self._sources
+        row_major = blas.row_major_copies_pay(
+            m.weight for module in (fc, *layers) for _, m in module.named_modules() if type(m) is nn.Linear)
         arrays: dict = {"hidden_norm": hidden_norm.weight, "norm": norm.weight, "layers": []}
         meta: dict = {"layers": []}
-        arrays["fc"], meta["fc"] = _pack_linear(fc)
+        arrays["fc"], meta["fc"] = _pack_linear(fc, row_major)
         for layer in layers:
             attn = layer.self_attn
             a: dict = {"input_norm": layer.input_layernorm.weight,
@@ -92,10 +96,10 @@ class DraftStep:
             for name, linear in (("q", attn.q_proj), ("k", attn.k_proj), ("v", attn.v_proj),
                                  ("o", attn.o_proj), ("gate", layer.mlp.gate_proj),
                                  ("up", layer.mlp.up_proj), ("down", layer.mlp.down_proj)):
-                a[name], m[name] = _pack_linear(linear)
+                a[name], m[name] = _pack_linear(linear, row_major)
             if self.has_convs:
                 for name, conv in (("attention_conv", layer.attention_conv), ("mlp_conv", layer.mlp_conv)):
-                    a[name], m[name] = _pack_linear(conv.kernel_projection)
+                    a[name], m[name] = _pack_linear(conv.kernel_projection, row_major)
                     a[name]["base_in"], a[name]["base_out"] = conv.base_kernel[0], conv.base_kernel[1]
             arrays["layers"].append(a)
             meta["layers"].append(m)

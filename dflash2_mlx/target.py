@@ -24,7 +24,7 @@ from mlx_lm.models.base import create_attention_mask, scaled_dot_product_attenti
 from mlx_lm.models.qwen3_next import Qwen3NextAttention, Qwen3NextMLP
 from mlx_lm.models.gated_delta import compute_g, gated_delta_update, normalize_qk
 
-from . import rope
+from . import blas, rope
 from .caches import RecurrentInputs, TargetCache
 
 
@@ -159,7 +159,9 @@ def gated_delta_qkv(gdn: nn.Module, conv_out: mx.array) -> tuple[mx.array, mx.ar
 class TargetRunner:
     """One forward over a token block -> logits for chosen rows + features at tapped layers."""
 
-    def __init__(self, model: nn.Module):
+    def __init__(self, model: nn.Module, block_weight_copies: Optional[bool] = None):
+        """``block_weight_copies``: multiply block-sized passes (2..16 rows) by row-major copies
+        of the layers' dense weights (None: where ``blas.row_major_copies_pay``)."""
         self.model = model
         self.outer, self.inner = _text_stack(model)
         self.layers = list(self.inner.layers)
@@ -190,6 +192,10 @@ class TargetRunner:
         self._compiled: dict = {}
         self._weights_t: dict = {}  # layer or "head" -> (the weights they were taken from, views)
         self._rope_tables: dict = {}  # RoPE settings -> rope.RopeTable
+        if block_weight_copies is None:
+            block_weight_copies = blas.row_major_copies_pay(
+                m.weight for layer in self.layers for _, m in layer.named_modules() if type(m) is nn.Linear)
+        self.block_weight_copies = block_weight_copies
 
     def _rope_table(self, attn: nn.Module) -> Optional[rope.RopeTable]:
         """A cos/sin table for the layer's RoPE where it is exact and pays: a plain nn.RoPE
@@ -203,21 +209,29 @@ class TargetRunner:
             self._rope_tables[key] = rope.RopeTable(module, attn.head_dim, module.dims)
         return self._rope_tables[key]
 
-    def weights_t(self, i: int) -> dict:
-        """Transposed views of layer i's dense nn.Linear weights by module path: passed to the
-        walked layers, they save one transpose op per matmul."""
-        return self._transposed_views(
-            i, lambda: {path: m for path, m in self.layers[i].named_modules() if type(m) is nn.Linear})
+    def weights_t(self, i: int, rows: int = 1) -> dict:
+        """Layer i's dense nn.Linear weights, transposed [in, out], by module path, for a pass of
+        ``rows`` rows: passed to the walked layers, they save one transpose op per matmul.
 
-    def _transposed_views(self, key, find: Callable[[], dict]) -> dict:
-        """{path: weight.T} of the modules ``find()`` returns (views, no copies), evaluated once
-        and kept under ``key``; rebuilt if a weight was replaced since (a model updated in place).
-        The check is a few dict lookups, as it runs for every layer of every pass."""
+        Views of the weights (nn.Linear's own matmul, bit for bit); for block-sized passes with
+        ``block_weight_copies``, row-major copies, which OpenBLAS multiplies without repacking
+        (the products and sums of every row stay within float rounding of the views', and a
+        verify pass is compared to plain decoding by its tokens, as with the views)."""
+        copies = self.block_weight_copies and 1 < rows <= COMPILED_MAX_ROWS
+        return self._transposed_views(
+            (i, copies), lambda: {path: m for path, m in self.layers[i].named_modules() if type(m) is nn.Linear},
+            copies)
+
+    def _transposed_views(self, key, find: Callable[[], dict], copies: bool = False) -> dict:
+        """{path: weight.T} of the modules ``find()`` returns (views, or row-major copies),
+        evaluated once and kept under ``key``; rebuilt if a weight was replaced since (a model
+        updated in place). The check is a few dict lookups, as it runs for every layer of every
+        pass."""
         cached = self._weights_t.get(key)
         if cached is not None and all(m["weight"] is w for m, w in cached[0]):
             return cached[1]
         modules = find()
-        views = {path: m["weight"].T for path, m in modules.items()}
+        views = {path: mx.contiguous(m["weight"].T) if copies else m["weight"].T for path, m in modules.items()}
         mx.eval(views)
         self._weights_t[key] = ([(m, m["weight"]) for m in modules.values()], views)
         return views
@@ -331,7 +345,7 @@ class TargetRunner:
                 self._compiled[("attention", i)] = (before, after)
         else:
             before, after = partial(gated_attention_inputs, layer), partial(gated_attention_output, layer)
-        weights_t = self.weights_t(i)
+        weights_t = self.weights_t(i, h.shape[1])
         queries, keys, values, gate = before(h, offset, weights_t, rows)
         keys, values = cache.update_and_fetch(keys, values)
         attn = layer.self_attn
@@ -348,7 +362,7 @@ class TargetRunner:
         if conv_state is None:
             conv_state = mx.zeros((h.shape[0], gdn.conv_kernel_size - 1, gdn.conv_dim), dtype=h.dtype)
         keep = record is not None and _keeps_step_states(gdn, steps)
-        weights_t = self.weights_t(i)
+        weights_t = self.weights_t(i, steps)
         if state is not None and steps <= COMPILED_MAX_ROWS and not gdn.training:
             fn = self._compiled.get((i, keep))
             if fn is None:
