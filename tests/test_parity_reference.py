@@ -47,7 +47,10 @@ from dflash.model import (
 torch.set_num_threads(1)  # tiny models: threads only add contention on small CI machines
 
 TOL = 1e-4  # max abs, float32 hidden rows and logits
-Q_TOL = 1e-5  # max abs, proposal probabilities
+# max abs, proposal probabilities: two float32 implementations whose matmuls round differently
+# (ours multiplies by row-major weight copies on the CPU) differ by ~1e-5 at q ~ 0.5; a wrong
+# formula (temperature, renormalisation, a candidate's score) moves q by 1e-2 or more
+Q_TOL = 5e-5
 WINDOW = 6  # small sliding window: the first context (12 rows) is longer than it
 EXTRAS = dict(input_embedding_scale=0.7, output_multiplier=1.5, final_logit_softcapping=8.0)
 
