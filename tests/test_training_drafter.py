@@ -203,7 +203,7 @@ def test_a_block_never_sees_other_blocks_or_context_at_or_after_its_anchor(targe
     # and the block's rows are exactly what inference computes for that block
     cache = drafter.make_cache()
     h = drafter(runner.embed(mx.array(blocks[0, 1][None])), feats[:1, :a], cache)
-    np.testing.assert_allclose(np.array(h[0]), np.array(base[1]), atol=2e-5)
+    np.testing.assert_allclose(np.array(h[0]), np.array(base[1]), rtol=1e-5, atol=2e-5)  # float rounding of different matmul layouts
 
 
 # ---------------------------------------------------------------------------------------------
