@@ -32,31 +32,42 @@ class ContextCache:
     around as a ring. A cycle writes only its new rows, and the block step sees the same shapes
     cycle after cycle: that is what lets it be compiled and keeps its cost flat at long context.
     ``positions`` [C] holds each slot's absolute position (-1: empty); the masks come from it.
+
+    A write can be tentative: n rows of which only the first ``valid`` (an array, not yet
+    computed) are kept, the rest stored as empty. The decode loop writes a verify pass's rows so
+    before it knows how many were accepted, and drafts the next block on top (``next_position``),
+    then calls ``commit``. The ring keeps ``headroom`` slots beyond the limit, so that a tentative
+    write never overwrites a row a later block can still see.
     """
 
     MIN_CAPACITY = 256
 
-    def __init__(self, limit: Optional[int]):
-        self.limit = limit
+    def __init__(self, limit: Optional[int], headroom: int = 0):
+        self.limit, self.headroom = limit, headroom
         self.keys: list[mx.array] = []  # per layer [1, Hkv, C, D]
         self.values: list[mx.array] = []
         self.positions: Optional[mx.array] = None  # [C] int32
         self.offset = 0  # absolute position of the next context row
         self.start = 0  # the position whose row is in slot 0 (slot of p: (p - start) % C)
+        self.tentative: Optional[tuple[int, mx.array]] = None  # (rows written, rows to keep [1])
 
     @property
     def capacity(self) -> int:
         return 0 if self.positions is None else self.positions.shape[0]
 
-    def write(self, rows: list[tuple[mx.array, mx.array]]) -> None:
-        """Store per layer the K/V [1, Hkv, n, D] of positions offset..offset+n-1."""
+    def write(self, rows: list[tuple[mx.array, mx.array]], valid: Optional[mx.array] = None) -> None:
+        """Store per layer the K/V [1, Hkv, n, D] of positions offset..offset+n-1; with ``valid``
+        [1] int32, tentatively: rows from ``valid`` on are stored as empty until ``commit``."""
+        assert self.tentative is None, "commit the tentative write first"
         n = rows[0][0].shape[2]
-        if self.limit is not None and n > self.limit:  # only the last `limit` can be seen again
+        if valid is not None:
+            assert n <= self.headroom, f"a tentative write of {n} rows needs that much headroom"
+        elif self.limit is not None and n > self.limit:  # only the last `limit` can be seen again
             self.skip(n - self.limit)
             rows = [(k[:, :, n - self.limit :], v[:, :, n - self.limit :]) for k, v in rows]
             n = self.limit
         needed = self.offset + n - self.start
-        if needed > self.capacity and (self.limit is None or self.capacity < self.limit):
+        if needed > self.capacity and (self.limit is None or self.capacity < self._max_capacity):
             self._grow(needed, rows)
         capacity = self.capacity
         first = (self.offset - self.start) % capacity
@@ -70,15 +81,38 @@ class ContextCache:
                 self.keys[layer] = mx.slice_update(self.keys[layer], k[:, :, lo:hi], at, (0, 1, 2, 3))
                 self.values[layer] = mx.slice_update(self.values[layer], v[:, :, lo:hi], at, (0, 1, 2, 3))
             pos = mx.arange(self.offset + lo, self.offset + hi, dtype=mx.int32)
+            if valid is not None:
+                pos = mx.where(mx.arange(lo, hi, dtype=mx.int32) < valid, pos, -1)
             self.positions = mx.slice_update(self.positions, pos, mx.array([slot], dtype=mx.int32), (0,))
-        self.offset += n
+        if valid is None:
+            self.offset += n
+        else:
+            self.tentative = (n, valid)
+
+    def commit(self, kept: int) -> None:
+        """Keep the first ``kept`` rows of the tentative write (what its ``valid`` computed)."""
+        assert self.tentative is not None and kept <= self.tentative[0]
+        self.offset += kept
+        self.tentative = None
+
+    def next_position(self) -> tuple[mx.array, int]:
+        """(the position [1] int32 of the next row, an upper bound of it as an int): a block is
+        drafted there, also on top of a tentative write."""
+        if self.tentative is None:
+            return mx.array([self.offset], dtype=mx.int32), self.offset
+        n, valid = self.tentative
+        return self.offset + valid, self.offset + n
+
+    @property
+    def _max_capacity(self) -> int:
+        return self.limit + self.headroom
 
     def _grow(self, needed: int, rows: list[tuple[mx.array, mx.array]]) -> None:
         capacity = max(self.MIN_CAPACITY, self.capacity)
         while capacity < needed:
             capacity *= 2
         if self.limit is not None:
-            capacity = min(capacity, self.limit)
+            capacity = min(capacity, self._max_capacity)
         old = self.capacity  # rows are still in slots 0..old-1 in order: a ring wraps only at the limit
         keys, values = [], []
         for layer, (k, _) in enumerate(rows):
@@ -120,7 +154,8 @@ class ContextCache:
         return [self.keys, self.values, self.positions]
 
     def copy(self) -> "ContextCache":
-        other = ContextCache(self.limit)
+        assert self.tentative is None, "commit the tentative write first"
+        other = ContextCache(self.limit, self.headroom)
         other.keys, other.values = list(self.keys), list(self.values)
         other.positions, other.offset, other.start = self.positions, self.offset, self.start
         return other
@@ -285,7 +320,7 @@ class Drafter(nn.Module):
         object.__setattr__(self, "_draft_step", None)
 
     def make_cache(self) -> ContextCache:
-        return ContextCache(self.config.context_window)
+        return ContextCache(self.config.context_window, headroom=max(self.config.block_size, 16))
 
     def __call__(self, block_embeds: mx.array, features: Optional[mx.array], cache: ContextCache) -> mx.array:
         """Final-normed hidden rows of the block.
@@ -298,12 +333,14 @@ class Drafter(nn.Module):
         self.absorb(features, cache)
         return self._step().block(block_embeds, cache)
 
-    def absorb(self, features: Optional[mx.array], cache: ContextCache) -> None:
+    def absorb(self, features: Optional[mx.array], cache: ContextCache, valid: Optional[mx.array] = None) -> None:
         """Move the target features of newly committed positions [1, n, T*H] into the context
-        cache (each cycle's accepted rows; prefill chunks; prefix snapshots)."""
+        cache (each cycle's accepted rows; prefill chunks; prefix snapshots). With ``valid``
+        [1] int32 (not yet computed), tentatively: only the first ``valid`` rows are kept
+        (``ContextCache.commit``)."""
         if features is None or features.shape[1] == 0:
             return
-        cache.write(self._step().context_rows(features, cache.offset))
+        cache.write(self._step().context_rows(features, cache.offset), valid)
 
     def _step(self) -> DraftStep:
         if self._draft_step is None:

@@ -112,11 +112,11 @@ class DraftStep:
     # -- public entry points ------------------------------------------------------------------
 
     def block(self, block_embeds: mx.array, cache) -> mx.array:
-        """Final-normed hidden rows [1, L, H] of the block at positions cache.offset.."""
+        """Final-normed hidden rows [1, L, H] of the block at the cache's next position on."""
         self._refresh()
         length = block_embeds.shape[1]
-        table = self.rope_table.covering(cache.offset + length)
-        block_pos = mx.array([cache.offset], dtype=mx.int32)
+        block_pos, bound = cache.next_position()
+        table = self.rope_table.covering(bound + length)
         if cache.capacity == 0:
             return self._maybe_compiled("block_alone", self._block)(block_embeds, block_pos, table)
         step = self._maybe_compiled("block", self._block)

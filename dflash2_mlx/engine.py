@@ -370,20 +370,15 @@ def generate_speculative(
     mask_id = cfg.mask_token_id
     hybrid = "gdn" in runner.kinds
     prof = settings.profiler
-    while not out.finished:
-        yield event
-        if settings.cancel is not None and settings.cancel.is_set():
-            yield out.cancel()
-            return
-        if prof:
-            prof.cycle_start()
-        bs = min(block_size, settings.max_tokens - len(out.tokens) + 1)  # never draft past max_tokens
-        # Draft: block = [anchor, MASK * (bs-1)] at positions n..n+bs-1.
-        block = mx.array([[anchor] + [mask_id] * (bs - 1)], dtype=mx.int32)
+
+    def draft_block(anchor: mx.array, bs: int):
+        """Draft the block [anchor [1], MASK * (bs-1)] after the context cache -> (draft tokens
+        [bs-1], candidates, q) on their way to being computed (nothing is read)."""
+        block = mx.concatenate([anchor, mx.full((bs - 1,), mask_id, dtype=mx.int32)])[None]
         block_embeds = runner.embed(block)
         if cfg.input_embedding_scale != 1.0:
             block_embeds = block_embeds * cfg.input_embedding_scale
-        hidden = drafter(block_embeds, new_features, context)[:, 1:]  # [1, bs-1, H]
+        hidden = drafter(block_embeds, None, context)[:, 1:]  # [1, bs-1, H]
         draft_logits = drafter.logits(hidden, runner.lm_head)  # [1, bs-1, V]
         # Start computing the draft while Python builds the selector's and the verify pass's
         # graphs (mlx is lazy: without this nothing runs until the cycle's one host sync).
@@ -407,9 +402,25 @@ def generate_speculative(
         mx.async_eval(draft)
         if prof:
             prof.mark("select", draft)
+        return draft, candidates, q
+
+    ahead = None  # this cycle's draft, when the previous cycle drafted it before its host sync
+    anchor_in = mx.array([anchor], dtype=mx.int32)  # [1]
+    while not out.finished:
+        yield event
+        if settings.cancel is not None and settings.cancel.is_set():
+            yield out.cancel()
+            return
+        if prof:
+            prof.cycle_start()
+        bs = min(block_size, settings.max_tokens - len(out.tokens) + 1)  # never draft past max_tokens
+        if ahead is None:
+            drafter.absorb(new_features, context)
+            ahead = draft_block(anchor_in, bs)
+        (draft, candidates, q), ahead = ahead, None
         # Verify: the target runs [anchor, d1..d(bs-1)] in one pass.
         recorded = [] if hybrid else None
-        verify_in = mx.concatenate([mx.array([anchor], dtype=mx.int32), draft])[None]
+        verify_in = mx.concatenate([anchor_in, draft])[None]
         verify_logits, verify_features = runner(verify_in, cache, taps, recorded)
         verify_logits = verify_logits[0]
         if settings.logits_processors:  # row i sees committed + d1..di, as plain decoding did
@@ -417,19 +428,24 @@ def generate_speculative(
             verify_logits = apply_processors(settings.logits_processors, history, verify_logits)
         if prof:
             prof.mark("verify", verify_logits, verify_features)
-        # Accept: the longest agreeing prefix (greedy) or rejection sampling; one host sync.
+        # Accept, on the device: the longest agreeing prefix (greedy) or rejection sampling.
         if greedy:
-            target_tokens = mx.argmax(verify_logits, axis=-1)
-            mx.eval(draft, target_tokens)
-            drafted, targeted = draft.tolist(), target_tokens.tolist()
-            accepted = next((i for i, (d, t) in enumerate(zip(drafted, targeted)) if d != t), bs - 1)
-            bonus = targeted[accepted]
+            target_tokens = mx.argmax(verify_logits, axis=-1)  # [bs]
+            agree = (draft == target_tokens[:-1]).astype(mx.int32)
+            accepted_arr = mx.cumprod(agree).sum()
+            next_tokens = target_tokens
         else:
-            p = probabilities(verify_logits, sampling)
-            accepted_arr, next_tokens = rejection_step(draft, p, q, candidates)
-            mx.eval(draft, accepted_arr, next_tokens)
-            drafted, accepted = draft.tolist(), int(accepted_arr.item())
-            bonus = int(next_tokens[accepted].item())
+            accepted_arr, next_tokens = rejection_step(draft, probabilities(verify_logits, sampling), q, candidates)
+        bonus_arr = mx.take(next_tokens, accepted_arr.reshape(1))  # [1]
+        # Draft the next block now if its size is known whatever is accepted: Python builds and
+        # launches its graph while the verify pass computes, and it runs right after it. The
+        # context cache takes this pass's rows tentatively, keeping accepted + 1 of them.
+        if not prof and settings.max_tokens - (len(out.tokens) + bs) + 1 >= block_size:
+            mx.async_eval(accepted_arr, bonus_arr, verify_features)
+            drafter.absorb(verify_features, context, valid=accepted_arr.reshape(1) + 1)
+            ahead = draft_block(bonus_arr, block_size)
+        mx.eval(draft, accepted_arr, bonus_arr)  # the cycle's one host sync
+        drafted, accepted, bonus = draft.tolist(), accepted_arr.item(), bonus_arr.item()
         new_tokens = drafted[:accepted] + [bonus]
         if prof:
             prof.mark("accept")
@@ -437,13 +453,18 @@ def generate_speculative(
         if settings.logprobs:  # verify row i is what plain decoding saw for emitted token i
             lp = _logprobs(verify_logits[: accepted + 1], mx.array(new_tokens, dtype=mx.int32), settings.logprobs)
             logprobs = _logprob_list(*lp, accepted + 1)
-        # Roll back: the target keeps n+accepted+1 positions; the drafter gets the new rows next cycle.
+        # Roll back: the target keeps n+accepted+1 positions; the drafter gets the new rows
+        # (already, tentatively, when the next block was drafted ahead).
         cache.rollback(recorded or [], fed=bs, keep=accepted + 1)
         if prof:
             prof.mark("rollback", [c.state for c in cache.layers])
-        new_features = verify_features[:, : accepted + 1]
+        if ahead is not None:
+            context.commit(accepted + 1)
+            new_features = None
+        else:
+            new_features = verify_features[:, : accepted + 1]
         committed += new_tokens
-        anchor = bonus
+        anchor_in = bonus_arr
         event = out.add(new_tokens, accepted, bs - 1, logprobs=logprobs)
         stats.verify_steps += 1
         stats.cycle_tokens += len(event.tokens)
