@@ -220,25 +220,26 @@ class OracleDrafter(Drafter):
     def __init__(self, config: DrafterConfig, continuation: list[int], corrupt: set[int]):
         super().__init__(config)
         self.continuation, self.corrupt = continuation, corrupt
-        self._block_pos = 0
+        self._block_pos = None
 
     def __call__(self, block_embeds, features, cache):
         hidden = super().__call__(block_embeds, features, cache)
-        self._block_pos = cache.offset
+        # [1] int32: the decode loop drafts a block before it knows the previous one's accepted
+        # count, so the block's position may not be computed yet; the logits are built from it
+        self._block_pos = cache.next_position()[0]
         return hidden
 
     def logits(self, hidden, lm_head):
         real = super().logits(hidden, lm_head)
-        wanted = []
-        vocab = real.shape[-1]
-        for i in range(hidden.shape[1]):
-            pos = self._block_pos + 1 + i  # absolute position the row drafts
-            want = self.continuation[pos] if pos < len(self.continuation) else 0
-            if pos in self.corrupt:
-                want = (want + 1 + pos % 7) % vocab
-            wanted.append(want)
+        vocab, rows = real.shape[-1], hidden.shape[1]
+        pos = self._block_pos + 1 + mx.arange(rows)  # absolute positions the rows draft
+        known = len(self.continuation)
+        table = mx.array(self.continuation + [0] * (rows + 1), dtype=mx.int32)  # 0 past the end
+        corrupt = mx.array([p in self.corrupt for p in range(known + rows + 1)])
+        want = mx.take(table, pos)
+        want = mx.where(mx.take(corrupt, pos), (want + 1 + pos % 7) % vocab, want)
         # a few ops for the whole block, not three per row (a cycle costs mostly per-op overhead)
-        rows = mx.where(mx.array(wanted, dtype=mx.int32)[:, None] == mx.arange(vocab), 30.0, 0.0)
+        rows = mx.where(want[:, None] == mx.arange(vocab), 30.0, 0.0)
         return 0.01 * real + rows[None]
 
 
