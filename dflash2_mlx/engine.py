@@ -39,7 +39,9 @@ class GenerationSettings:
     prefill_step_size: int = 512
     logprobs: int = 0  # 0: off; n: each token's log-probability and the top n alternatives
     cancel: Optional[threading.Event] = None  # set it to stop (checked between chunks and cycles)
-    profiler: Optional[CycleProfiler] = None  # bench --profile: time per cycle phase (adds host syncs)
+    # bench --profile: time per cycle phase (adds host syncs, and drafts every block after the
+    # previous cycle's sync instead of ahead of it, so that the phases do not overlap)
+    profiler: Optional[CycleProfiler] = None
 
 
 @dataclass

@@ -3,7 +3,9 @@
 The engine calls ``mark(phase, *arrays)`` at the end of each phase when a profiler is set in
 ``GenerationSettings.profiler``. Marking evaluates the phase's outputs, so each phase's time is
 its own graph building, launches and compute; the extra host syncs make a profiled run slower
-than a plain one, which is why only the shares are reported, never the profiled tok/s.
+than a plain one, which is why only the shares are reported, never the profiled tok/s. A
+profiled run also drafts each block after the previous cycle's host sync, where a plain run drafts
+it ahead, while the verify pass computes: the phases are then each measured alone.
 """
 
 from __future__ import annotations
