@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 
 import tiny
+from dflash2_mlx.drafter import Drafter
 from dflash2_mlx.engine import GenerationSettings, generate_autoregressive, generate_speculative
 from dflash2_mlx.prefix_cache import PrefixCache
 from dflash2_mlx.sampling import SamplingSettings
@@ -167,3 +168,38 @@ def test_profiled_decoding_emits_the_same_tokens_and_accounts_every_phase(pair):
     assert set(report["shares"]) == set(PHASES) and sum(report["shares"].values()) == pytest.approx(1.0)
     for phase in ("draft", "select", "verify", "accept", "rollback"):
         assert report["ms"][phase] > 0, phase
+
+
+class _RecordingDrafter(Drafter):
+    """Records, for every block it drafts, whether the previous cycle's rows were still a
+    tentative context write (its accepted count not yet read by the host)."""
+
+    def __init__(self, config):
+        super().__init__(config)
+        self.drafted_ahead = []
+
+    def __call__(self, block_embeds, features, cache):
+        self.drafted_ahead.append(cache.tentative is not None)
+        return super().__call__(block_embeds, features, cache)
+
+
+def test_each_block_is_drafted_before_the_previous_cycles_host_sync(hybrid_target):
+    """The loop drafts block k+1 while cycle k's verify pass computes, wherever block k+1's size
+    cannot depend on cycle k's accepted count (all but the last blocks before max_tokens); the
+    output is plain decoding's either way."""
+    cfg, model = hybrid_target
+    runner = TargetRunner(model)
+    drafter = _RecordingDrafter(tiny.drafter_config(cfg, version=2, block_size=8))
+    mx.eval(drafter.parameters())
+    prompt, max_tokens = [5, 6, 7, 8], 40
+    events = list(generate_speculative(runner, drafter, prompt, GenerationSettings(max_tokens=max_tokens)))
+    plain, _ = _run(generate_autoregressive(runner, prompt, GenerationSettings(max_tokens=max_tokens)))
+    assert [t for e in events for t in e.tokens] == plain
+    emitted, expected = len(events[0].tokens), [False]  # the first block follows the prefill
+    for event in events[1:]:
+        block = min(8, max_tokens - emitted + 1)
+        expected.append(max_tokens - (emitted + block) + 1 >= 8)
+        emitted += len(event.tokens)
+    assert drafter.drafted_ahead == expected[: len(drafter.drafted_ahead)]
+    assert len(drafter.drafted_ahead) == len(events) - 1  # every drafted block was verified
+    assert sum(drafter.drafted_ahead) >= 10
