@@ -141,7 +141,6 @@ def load_models(choice: ModelChoice, block_size: Optional[int] = None, quiet: bo
     return target, drafter
 
 
-
 class _null:
     def __enter__(self):
         return self

@@ -47,6 +47,14 @@ def preload() -> str:
 ROW_MAJOR_COPIES_MAX_BYTES = 1 << 30
 
 
+def transposed(weight, row_major: bool):
+    """weight.T [in, out] for ``x @ weight.T``: a view (nn.Linear's own operand), or with
+    ``row_major`` a row-major copy, which OpenBLAS multiplies without repacking."""
+    import mlx.core as mx
+
+    return mx.contiguous(weight.T) if row_major else weight.T
+
+
 def row_major_copies_pay(weights) -> bool:
     """Whether multi-row matmuls should use row-major copies of these (dense) weights."""
     import mlx.core as mx  # not at module level: OpenBLAS must be loaded before mlx.core

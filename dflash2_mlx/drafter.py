@@ -320,7 +320,8 @@ class Drafter(nn.Module):
         object.__setattr__(self, "_draft_step", None)
 
     def make_cache(self) -> ContextCache:
-        return ContextCache(self.config.context_window, headroom=max(self.config.block_size, 16))
+        # a tentative write is one verify pass's rows: at most a block
+        return ContextCache(self.config.context_window, headroom=self.config.block_size)
 
     def __call__(self, block_embeds: mx.array, features: Optional[mx.array], cache: ContextCache) -> mx.array:
         """Final-normed hidden rows of the block.

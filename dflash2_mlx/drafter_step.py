@@ -39,7 +39,7 @@ def _pack_linear(linear: nn.Module, row_major: bool) -> tuple[dict, Optional[tup
             arrays["biases"] = linear.biases
         meta = (linear.group_size, linear.bits, getattr(linear, "mode", "affine"))
     else:
-        arrays, meta = {"weight_t": mx.contiguous(linear.weight.T) if row_major else linear.weight.T}, None
+        arrays, meta = {"weight_t": blas.transposed(linear.weight, row_major)}, None
     if "bias" in linear:
         arrays["bias"] = linear.bias
     return arrays, meta

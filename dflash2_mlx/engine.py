@@ -434,17 +434,18 @@ def generate_speculative(
         if greedy:
             target_tokens = mx.argmax(verify_logits, axis=-1)  # [bs]
             agree = (draft == target_tokens[:-1]).astype(mx.int32)
-            accepted_arr = mx.cumprod(agree).sum()
+            accepted_arr = mx.cumprod(agree).sum(keepdims=True)  # [1]
             next_tokens = target_tokens
         else:
             accepted_arr, next_tokens = rejection_step(draft, probabilities(verify_logits, sampling), q, candidates)
-        bonus_arr = mx.take(next_tokens, accepted_arr.reshape(1))  # [1]
+            accepted_arr = accepted_arr.reshape(1)
+        bonus_arr = mx.take(next_tokens, accepted_arr)  # [1]
         # Draft the next block now if its size is known whatever is accepted: Python builds and
         # launches its graph while the verify pass computes, and it runs right after it. The
         # context cache takes this pass's rows tentatively, keeping accepted + 1 of them.
         if not prof and settings.max_tokens - (len(out.tokens) + bs) + 1 >= block_size:
             mx.async_eval(accepted_arr, bonus_arr, verify_features)
-            drafter.absorb(verify_features, context, valid=accepted_arr.reshape(1) + 1)
+            drafter.absorb(verify_features, context, valid=accepted_arr + 1)
             ahead = draft_block(bonus_arr, block_size)
         mx.eval(draft, accepted_arr, bonus_arr)  # the cycle's one host sync
         drafted, accepted, bonus = draft.tolist(), accepted_arr.item(), bonus_arr.item()

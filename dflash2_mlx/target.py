@@ -231,7 +231,7 @@ class TargetRunner:
         if cached is not None and all(m["weight"] is w for m, w in cached[0]):
             return cached[1]
         modules = find()
-        views = {path: mx.contiguous(m["weight"].T) if copies else m["weight"].T for path, m in modules.items()}
+        views = {path: blas.transposed(m["weight"], copies) for path, m in modules.items()}
         mx.eval(views)
         self._weights_t[key] = ([(m, m["weight"]) for m in modules.values()], views)
         return views
@@ -255,11 +255,16 @@ class TargetRunner:
         return self._head(hidden) if weight_t is None else _rows_matmul(hidden, weight_t)
 
     @property
-    def _head(self) -> nn.Module:
+    def _head_module(self) -> nn.Module:
+        """The module holding the head's weight (the embedding when tied)."""
+        return self.inner.embed_tokens if self._tied else self.outer.lm_head
+
+    @property
+    def _head(self) -> Callable[[mx.array], mx.array]:
         return self.inner.embed_tokens.as_linear if self._tied else self.outer.lm_head
 
     def _head_weight_t(self) -> Optional[mx.array]:
-        head = self.inner.embed_tokens if self._tied else self.outer.lm_head
+        head = self._head_module
         if type(head) not in (nn.Linear, nn.Embedding) or "bias" in head:
             return None
         return self._transposed_views("head", lambda: {"head": head})["head"]
@@ -273,8 +278,8 @@ class TargetRunner:
         weight_t = self._head_weight_t()
         fn = self._compiled.get("head")
         if fn is None:
-            head = self.inner.embed_tokens if self._tied else self.outer.lm_head
-            fn = self._compiled["head"] = mx.compile(self._norm_and_head, inputs=[self.inner.norm.state, head.state])
+            inputs = [self.inner.norm.state, self._head_module.state]
+            fn = self._compiled["head"] = mx.compile(self._norm_and_head, inputs=inputs)
         return fn(h) if weight_t is None else fn(h, weight_t)
 
     def _norm_and_head(self, h: mx.array, *weight_t: mx.array) -> mx.array:
