@@ -59,9 +59,11 @@ def row_major_copies_pay(weights) -> bool:
     """Whether multi-row matmuls should use row-major copies of these (dense) weights."""
     import mlx.core as mx  # not at module level: OpenBLAS must be loaded before mlx.core
 
+    from . import device
+
     weights = list(weights)
     return (
-        mx.default_device() == mx.cpu
+        device.cpu_paths()
         and bool(weights)
         and all(w.dtype == mx.float32 for w in weights)
         and sum(w.nbytes for w in weights) <= ROW_MAJOR_COPIES_MAX_BYTES

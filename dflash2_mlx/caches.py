@@ -8,16 +8,36 @@ restores the state from before the pass and replays the recurrence over the firs
 from those recorded inputs: no weight matmuls, and no change to mlx-lm's classes. Where the
 recurrence runs as separate ops per step (the CPU), the pass keeps each step's state instead and
 rollback just picks one: no replay at all.
+
+``DFLASH2_MLX_ROLLBACK`` chooses between the two: ``keep`` (every verify pass keeps its per-step
+states), ``replay`` (never: the Metal path, which the CPU then runs too, so tests cover it) or
+``auto`` (the default: keep where the recurrence runs as ops and the states are small, see
+``target.py``). Both give the state plain decoding would have reached (tests pin it for both).
 """
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from typing import Any, Optional
 
 import mlx.core as mx
 from mlx_lm.models.cache import ArraysCache, KVCache
 from mlx_lm.models.gated_delta import gated_delta_update
+
+
+ROLLBACK_ENV = "DFLASH2_MLX_ROLLBACK"
+ROLLBACK_SETTINGS = ("auto", "keep", "replay")
+
+
+def rollback_setting() -> str:
+    """``DFLASH2_MLX_ROLLBACK`` (auto, keep or replay; unset: auto). A bad value raises
+    ValueError with a one-line message that says what to set."""
+    value = os.environ.get(ROLLBACK_ENV, "").strip().lower() or "auto"
+    if value not in ROLLBACK_SETTINGS:
+        raise ValueError(f"{ROLLBACK_ENV}={value!r} is not one of {', '.join(ROLLBACK_SETTINGS)}; "
+                         f"unset it or set one of those")
+    return value
 
 
 @dataclass

@@ -15,6 +15,8 @@ from typing import Optional
 
 import mlx.core as mx
 
+from . import device
+
 LOG2E = 1.4426950408889634
 # 2^f = e^(f ln 2) on f in [-1/2, 1/2]: Taylor terms (ln 2)^i / i!, truncation error < 6e-9.
 _EXP2_TERMS = (1.0, 0.6931471805599453, 0.2402265069591007, 0.05550410866482158,
@@ -36,7 +38,9 @@ def fast_exp(x: mx.array) -> mx.array:
 
 
 def uses_fast_exp() -> bool:
-    return mx.default_device() == mx.cpu
+    """The CPU path (polynomial exp, no concatenation); elsewhere, or with DFLASH2_MLX_PATHS=gpu,
+    MLX's fused attention."""
+    return device.cpu_paths()
 
 
 def block_attention(

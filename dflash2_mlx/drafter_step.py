@@ -27,7 +27,7 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 
-from . import blas, cpu_attention, kernels, rope
+from . import blas, cpu_attention, device, kernels, rope
 
 
 def _pack_linear(linear: nn.Module, row_major: bool) -> tuple[dict, Optional[tuple]]:
@@ -147,8 +147,13 @@ class DraftStep:
 
     @staticmethod
     def _rope_rows(table: mx.array, start: mx.array, length: int, dtype) -> tuple[mx.array, mx.array]:
+        """cos, sin [L, 1, D / 2] (positions, heads). The table is float32 and stays so on GPUs,
+        where mx.fast.rope (what the training forward calls) computes in float32; on the CPU its
+        fallback computes in x's dtype, so the rows are cast to it there (bit for bit)."""
         cos, sin = rope.table_rows(table, start, length)
-        return cos[:, None].astype(dtype), sin[:, None].astype(dtype)  # [L, 1, D / 2]: positions, heads
+        if device.cpu_paths():
+            cos, sin = cos.astype(dtype), sin.astype(dtype)
+        return cos[:, None], sin[:, None]
 
     def _context_rows(self, features, start, table):
         arrays, meta = self.arrays, self.meta

@@ -30,13 +30,15 @@ precedence:
 2. the reference ops when ``DFLASH2_MLX_KERNELS=reference`` is set;
 3. the fused Metal kernel when ``mx.metal.is_available()`` and the default device is the GPU (as
    mlx-lm's gated-delta code decides), the call's shapes are supported (two taps, ...), and the
-   kernel passed its self-check: the first time a kernel is used with a given combination of
-   dtypes it is compared with the reference on a small random input; if it fails to build or
-   disagrees, a warning is issued and that kernel uses the reference ops from then on;
+   kernel passed its self-check for every float dtype among the call's inputs: once per kernel
+   and dtype it is compared at the real launch widths with the reference computed on the CPU
+   stream (``check_kernel``); if it fails to build or disagrees, a warning is issued and that
+   kernel uses the reference ops for that dtype from then on;
 4. the reference ops otherwise.
 
 The decision is taken when the function is called, so inside ``mx.compile`` it is frozen at trace
-time; call :func:`prepare` eagerly (e.g. at model load) to run the self-checks outside any trace.
+time: :func:`prepare` runs the self-checks for the dtypes a model uses eagerly (at load, and in
+:func:`compiled` before each trace), never inside a trace.
 """
 
 from __future__ import annotations
@@ -407,8 +409,8 @@ class _State:
     lock: threading.RLock = field(default_factory=threading.RLock)
     overrides: dict[str, Callable] = field(default_factory=dict)
     built: dict[str, object] = field(default_factory=dict)  # name -> mx.fast.metal_kernel
-    checked: dict[tuple, bool] = field(default_factory=dict)  # (name, dtypes) -> passed
-    disabled: dict[str, str] = field(default_factory=dict)  # name -> reason
+    # (name, dtype name) -> None (passed) or why it failed; a failure disables that pair only
+    checked: dict[tuple[str, str], str | None] = field(default_factory=dict)
 
 
 _STATE = _State()
@@ -420,10 +422,9 @@ def _forced_reference() -> bool:
 
 
 def _metal_device() -> bool:
-    try:
-        return bool(mx.metal.is_available()) and mx.default_device() == mx.gpu
-    except Exception:  # pragma: no cover - exotic builds without mx.metal
-        return False
+    from . import device
+
+    return device.metal_gpu()
 
 
 def _build(name: str):
@@ -460,149 +461,158 @@ def _run_metal(plan: Plan) -> list[mx.array]:
 
 
 # ----- self-check -----------------------------------------------------------------------------
+#
+# Each kernel is compared with its reference once per float dtype, at the real launch widths
+# (threadgroups of 256 threads: hidden 5120 in groups of 16 for the conv; 15 selector rows of
+# k 16 candidates at rank 256), with every float input in that dtype. The reference runs on the
+# CPU stream, in float32 throughout (a GPU matmul may run as TF32). ``check_kernel`` is the whole
+# decision and takes the kernel launcher as an argument, so tests run it with the CPU harness
+# (or a broken kernel) in place of Metal.
 
-_CHECK_TOLERANCE = {mx.float32: 1e-5, mx.float16: 1e-2, mx.bfloat16: 1e-2}
-
-
-def _check_key(plan: Plan) -> tuple:
-    return (plan.kernel, tuple(str(a.dtype) for a in plan.inputs), tuple(map(str, plan.template)))
+CHECK_DTYPES = (mx.float32, mx.float16, mx.bfloat16)
+# Output tolerance relative to the output's scale: the kernels compute in float32, so float32
+# agrees to summation order; half and bfloat16 outputs are rounded once (bf16: 2^-8 relative).
+_CHECK_TOLERANCE = {mx.float32: 1e-5, mx.float16: 2e-3, mx.bfloat16: 1e-2}
+CHECK_WIDTHS = {"rows": 16, "hidden": 5120, "group": 16, "k": 16, "rank": 256, "vocab": 4096}
 
 
 def _np(a: mx.array) -> np.ndarray:
     return np.array(a.astype(mx.float32) if a.dtype in (mx.bfloat16, mx.float16) else a)
 
 
-def _check_conv(dtypes: Sequence[mx.Dtype]) -> str | None:
+def _on_cpu(fn, *args):
+    """The reference's result, computed on the CPU stream and evaluated."""
+    with mx.stream(mx.cpu):
+        out = fn(*args)
+        mx.eval(out)
+    return out
+
+
+def check_args(name: str, dtype: mx.Dtype) -> tuple:
+    """The self-check's inputs for kernel ``name`` with every float input in ``dtype``, at the
+    real launch widths (``CHECK_WIDTHS``); fixed seeds, so every machine checks the same case."""
+    w = CHECK_WIDTHS
     rng = np.random.default_rng(20240501)
-    n, length, hidden, groups = 2, 5, 48, 3
-    x = mx.array(rng.standard_normal((n, length, hidden)).astype(np.float32)).astype(dtypes[0])
-    dyn = mx.array(rng.standard_normal((n, length, 2, groups)).astype(np.float32)).astype(dtypes[1])
-    base = mx.array(rng.standard_normal((2, hidden)).astype(np.float32)).astype(dtypes[2])
-    plan = plan_two_tap_conv(x, dyn, base)
-    got = plan.finish(_run_metal(plan))
-    want = reference_two_tap_conv(x, dyn, base)
-    mx.eval(got, want)
-    err = float(np.max(np.abs(_np(got) - _np(want))))
-    scale = max(1.0, float(np.max(np.abs(_np(want)))))
-    tol = _CHECK_TOLERANCE.get(x.dtype, 1e-2) * scale
-    if not np.isfinite(err) or err > tol:
-        return f"max abs error {err:.3g} > {tol:.3g} ({x.dtype})"
+
+    def normal(shape, scale=1.0):
+        return mx.array((scale * rng.standard_normal(shape)).astype(np.float32)).astype(dtype)
+
+    if name == "two_tap_conv":
+        groups = w["hidden"] // w["group"]
+        return (normal((1, w["rows"], w["hidden"])), normal((1, w["rows"], 2, groups), 0.5),
+                normal((2, w["hidden"])))
+    rows, k, rank, vocab = w["rows"] - 1, w["k"], w["rank"], w["vocab"]
+    anchor = mx.array(rng.integers(0, vocab, size=(1,)).astype(np.int32))
+    cand = mx.array(np.stack([rng.permutation(vocab)[:k] for _ in range(rows)])[None].astype(np.int32))
+    # scores of order one (a sum of 256 triple products of these has a std of about 0.5)
+    args = [anchor, cand, normal((1, rows, k)), normal((1, rows, rank), 0.3),
+            normal((vocab, rank), 0.3), normal((vocab, rank), 0.3)]
+    if name == "select_sampled":
+        args += [mx.array(rng.random((1, rows)).astype(np.float32)).astype(dtype), 0.8]
+    return tuple(args)
+
+
+def check_kernel(name: str, dtype: mx.Dtype, run: Callable[[Plan], Sequence[mx.array]]) -> str | None:
+    """Compare kernel ``name`` launched by ``run`` (``Plan`` -> raw outputs; on a Mac the Metal
+    launch) with its reference on the CPU stream -> None when they agree, else why not.
+
+    A greedy path may differ only where the reference's two best scores are within 1e-4 (relative)
+    at the first differing row; a sampled path only where the uniform lies within 1e-4 of a CDF
+    boundary; values must agree within the dtype's tolerance (``_CHECK_TOLERANCE``)."""
+    args = check_args(name, dtype)
+    plan = PLANNERS[name](*args)
+    if plan is None:
+        return f"the self-check's shapes are not supported by the {name} kernel"
+    try:
+        outs = list(run(plan))
+        result = plan.finish(outs)
+        mx.eval(result)
+    except Exception as exc:  # build/compile/launch failure
+        return f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
+    want = _on_cpu(REFERENCES[name], *args)
+    if name == "two_tap_conv":
+        err = float(np.max(np.abs(_np(result) - _np(want))))
+        tol = _CHECK_TOLERANCE.get(dtype, 1e-2) * max(1.0, float(np.max(np.abs(_np(want)))))
+        if not np.isfinite(err) or err > tol:
+            return f"max abs error {err:.3g} > {tol:.3g} ({dtype})"
+        return None
+    if name == "select_greedy":
+        got, ref = np.array(result), np.array(want)
+        if np.array_equal(got, ref) or _near_tie(args, got, ref):
+            return None
+        return f"greedy path {got.tolist()} != reference {ref.tolist()} ({dtype})"
+    (got_path, got_q), (want_path, want_q) = result, want
+    gp, wp, gq, wq = np.array(got_path), np.array(want_path), _np(got_q), _np(want_q)
+    if not np.array_equal(gp, wp):
+        u = _np(args[6])
+        first = min(map(tuple, np.argwhere(gp != wp)), key=lambda t: (t[1], t[0]))
+        cdf = np.cumsum(wq[first[0], first[1]])
+        if np.min(np.abs(cdf - u[first[0], first[1]])) >= 1e-4:
+            return f"sampled path {gp.tolist()} != reference {wp.tolist()} ({dtype})"
+        return None
+    err = float(np.max(np.abs(gq - wq)))
+    if not np.isfinite(err) or err > 1e-5:
+        return f"sampled q max abs error {err:.3g} > 1e-05 ({dtype})"
     return None
 
 
-def _pair_case(dtypes: Sequence[mx.Dtype], sampled: bool):
-    rng = np.random.default_rng(20240502)
-    n, rows, k, rank, vocab = 2, 4, 4, 8, 32
-    anchor = mx.array(rng.integers(0, vocab, size=(n,)).astype(np.int32))
-    cand = mx.array(
-        np.stack([rng.permutation(vocab)[:k] for _ in range(n * rows)]).reshape(n, rows, k)
-        .astype(np.int32)
-    )
-
-    def normal(shape, dtype):
-        return mx.array(rng.standard_normal(shape).astype(np.float32)).astype(dtype)
-
-    args = [
-        anchor, cand,
-        normal((n, rows, k), dtypes[2]), normal((n, rows, rank), dtypes[3]),
-        normal((vocab, rank), dtypes[4]), normal((vocab, rank), dtypes[5]),
-    ]
-    if sampled:
-        args += [mx.array(rng.random((n, rows)).astype(np.float32)).astype(dtypes[6]), 0.8]
-    return args
-
-
-def _check_greedy(dtypes: Sequence[mx.Dtype]) -> str | None:
-    args = _pair_case(dtypes, sampled=False)
-    plan = plan_select_greedy(*args)
-    outs = _run_metal(plan)
-    got = plan.finish(outs)
-    want = reference_select_greedy(*args)
-    mx.eval(got, want)
-    if np.array_equal(np.array(got), np.array(want)):
-        return None
-    if _near_tie(np.array(outs[1]), np.array(got), np.array(want), args):
-        return None  # a 1-ulp disagreement at a near-tie says nothing about the kernel
-    return f"greedy path {np.array(got).tolist()} != reference {np.array(want).tolist()}"
-
-
-def _near_tie(scores, got, want, args, margin=1e-4) -> bool:
-    """Whether the first disagreeing row of a greedy walk is a near-tie of the kernel's scores."""
+def _near_tie(args, got, want, margin=1e-4) -> bool:
+    """Whether the first row where two greedy walks part is a near-tie of the reference's scores
+    (computed in float32 on the CPU stream after the common predecessor)."""
+    pairs = np.array(_on_cpu(_pair_scores, *args))  # [N, R, k (a), k (b)]
     cand = np.array(args[1])
     n, rows, k = cand.shape
     for b in range(n):
         a = 0
         for i in range(rows):
-            row = scores[b, i, a]
             if got[b, i] != want[b, i]:
-                top = np.sort(row)[-2:] if k > 1 else row
+                top = np.sort(pairs[b, i, a])[-2:]
                 return bool(k > 1 and abs(top[1] - top[0]) < margin * max(1.0, abs(top[1])))
             a = int(np.nonzero(cand[b, i] == got[b, i])[0][0])
     return False
 
 
-def _check_sampled(dtypes: Sequence[mx.Dtype]) -> str | None:
-    args = _pair_case(dtypes, sampled=True)
-    plan = plan_select_sampled(*args)
-    got_path, got_q = plan.finish(_run_metal(plan))
-    want_path, want_q = reference_select_sampled(*args)
-    mx.eval(got_path, got_q, want_path, want_q)
-    gp, wp = np.array(got_path), np.array(want_path)
-    gq, wq = np.array(got_q), np.array(want_q)
-    if not np.array_equal(gp, wp):
-        # Only acceptable if the first disagreement sits within 1e-4 of an inverse-CDF boundary.
-        u = np.array(args[6].astype(mx.float32))
-        bad = np.argwhere(gp != wp)
-        first = min(map(tuple, bad), key=lambda t: (t[1], t[0]))
-        cdf = np.cumsum(wq[first[0], first[1]])
-        if np.min(np.abs(cdf - u[first[0], first[1]])) >= 1e-4:
-            return f"sampled path {gp.tolist()} != reference {wp.tolist()}"
-        return None
-    err = float(np.max(np.abs(gq - wq)))
-    if not np.isfinite(err) or err > 1e-5:
-        return f"sampled q max abs error {err:.3g} > 1e-05"
-    return None
+def _plan_dtypes(plan: Plan) -> list[mx.Dtype]:
+    """The float dtypes among a launch's inputs (each must have passed its self-check)."""
+    seen = []
+    for a in plan.inputs:
+        if a.dtype in _FLOATS and a.dtype not in seen:
+            seen.append(a.dtype)
+    return seen
 
 
-_CHECKS = {
-    "two_tap_conv": _check_conv,
-    "select_greedy": _check_greedy,
-    "select_sampled": _check_sampled,
-}
-
-
-def _self_check(plan: Plan) -> bool:
-    """Run (once per kernel and dtype combination) the comparison with the reference."""
-    key = _check_key(plan)
+def _self_check(name: str, dtype: mx.Dtype) -> bool:
+    """Run (once per kernel and dtype) the comparison with the reference; a failure disables
+    the kernel for that dtype only, with a warning."""
+    key = (name, str(dtype))
     with _STATE.lock:
-        if plan.kernel in _STATE.disabled:
-            return False
-        if key in _STATE.checked:
-            return _STATE.checked[key]
-        try:
-            problem = _CHECKS[plan.kernel]([a.dtype for a in plan.inputs])
-        except Exception as exc:  # build/compile/launch failure
-            problem = f"{type(exc).__name__}: {exc}"
-        passed = problem is None
-        _STATE.checked[key] = passed
-        if not passed:
-            _STATE.disabled[plan.kernel] = problem
-            warnings.warn(
-                f"dflash2-mlx: the Metal kernel {plan.kernel!r} failed its self-check against the "
-                f"reference ({problem}); using the reference MLX ops for it from now on.",
-                RuntimeWarning,
-                stacklevel=4,
-            )
-        return passed
+        if key not in _STATE.checked:
+            problem = check_kernel(name, dtype, _run_metal)
+            _STATE.checked[key] = problem
+            if problem is not None:
+                warnings.warn(
+                    f"dflash2-mlx: the Metal kernel {name!r} failed its self-check against the "
+                    f"reference for {dtype} ({problem}); using the reference MLX ops for it with "
+                    f"{dtype} inputs from now on.",
+                    RuntimeWarning,
+                    stacklevel=5,
+                )
+        return _STATE.checked[key] is None
+
+
+def _metal_allowed(plan: Plan) -> bool:
+    """Every float dtype of the launch passed its self-check (run now if it has not been: callers
+    that compile run :func:`prepare` first, so this never happens inside a trace)."""
+    return all(_self_check(plan.kernel, dtype) for dtype in _plan_dtypes(plan))
 
 
 def _dispatch(name: str, args: tuple):
     fn = _STATE.overrides.get(name)
     if fn is not None:
         return fn(*args)
-    if not _forced_reference() and _metal_device() and name not in _STATE.disabled:
+    if not _forced_reference() and _metal_device():
         plan = PLANNERS[name](*args)
-        if plan is not None and _self_check(plan):
+        if plan is not None and _metal_allowed(plan):
             return plan.finish(_run_metal(plan))
     return REFERENCES[name](*args)
 
@@ -684,32 +694,28 @@ def override(
             _STATE.overrides.update(saved)
 
 
-def prepare() -> dict[str, str]:
-    """Run the float32 self-checks now (eagerly, outside any mx.compile trace) where Metal would
-    be used; returns :func:`active_kernels`."""
+def prepare(dtypes: Sequence[mx.Dtype] = (mx.float32,)) -> dict[str, str]:
+    """Run the self-checks of every kernel for each float dtype in ``dtypes`` now (eagerly: at
+    load, before any mx.compile trace) where Metal would be used; returns :func:`active_kernels`.
+    Already checked pairs are not checked again."""
     if not _forced_reference() and _metal_device():
         for name in KERNEL_NAMES:
-            if name in _STATE.disabled:
-                continue
-            dtypes = {
-                "two_tap_conv": [mx.float32] * 3,
-                "select_greedy": [mx.int32, mx.int32] + [mx.float32] * 4,
-                "select_sampled": [mx.int32, mx.int32] + [mx.float32] * 6,
-            }[name]
-            args = _check_args(name, dtypes)
-            plan = PLANNERS[name](*args)
-            if plan is not None:
-                _self_check(plan)
+            for dtype in dtypes:
+                if dtype in _FLOATS:
+                    _self_check(name, dtype)
     return active_kernels()
 
 
-def _check_args(name: str, dtypes):
-    if name == "two_tap_conv":
-        return (
-            mx.zeros((1, 2, 16), dtypes[0]), mx.zeros((1, 2, 2, 1), dtypes[1]),
-            mx.zeros((2, 16), dtypes[2]),
-        )
-    return tuple(_pair_case(dtypes, sampled=(name == "select_sampled")))
+def float_dtypes(tree) -> list[mx.Dtype]:
+    """The float dtypes of the arrays in a parameter tree (what a model's kernels will see),
+    plus float32 (logits, scores)."""
+    from mlx.utils import tree_flatten
+
+    found = [mx.float32]
+    for _, a in tree_flatten(tree):
+        if isinstance(a, mx.array) and a.dtype in _FLOATS and a.dtype not in found:
+            found.append(a.dtype)
+    return found
 
 
 def overridden() -> bool:
@@ -721,35 +727,54 @@ def overridden() -> bool:
 def compiled(cache: dict, name: str, fn: Callable, inputs) -> Callable:
     """``fn`` compiled with ``inputs`` captured (one trace per input shape, kept in ``cache``
     under ``name``), or ``fn`` itself inside an :func:`override` block, whose callbacks may need
-    concrete arrays. The Metal self-checks run first, eagerly: never inside a trace."""
+    concrete arrays. The Metal self-checks for the inputs' dtypes run first, eagerly: never
+    inside a trace."""
     if overridden():
         return fn
     if name not in cache:
-        prepare()
+        prepare(float_dtypes(inputs))
         cache[name] = mx.compile(fn, inputs=inputs)
     return cache[name]
 
 
 def active_kernels() -> dict[str, str]:
     """Kernel name -> "override" (routed by :func:`override`), "metal" (the fused kernel is used
-    where the call's shapes allow it; it has not failed a self-check) or "reference" (plain MLX
+    where the call's shapes allow it; it has not failed a self-check), "reference" (plain MLX
     ops: forced by DFLASH2_MLX_KERNELS=reference, no Metal GPU as the default device, or the
-    kernel failed its self-check). For ``doctor``."""
+    kernel failed every self-check it ran) or "metal (reference for <dtypes>)" (it failed for
+    those dtypes only). For ``doctor``."""
     forced = _forced_reference()
     metal = _metal_device()
     result = {}
     with _STATE.lock:
         for name in KERNEL_NAMES:
+            results = {d: p for (n, d), p in _STATE.checked.items() if n == name}
+            failed = sorted(d.split(".")[-1] for d, p in results.items() if p is not None)
             if name in _STATE.overrides:
                 result[name] = "override"
-            elif forced or not metal or name in _STATE.disabled:
+            elif forced or not metal or (results and len(failed) == len(results)):
                 result[name] = "reference"
+            elif failed:
+                result[name] = f"metal (reference for {', '.join(failed)})"
             else:
                 result[name] = "metal"
     return result
 
 
-def disabled_kernels() -> dict[str, str]:
-    """Kernels that failed their self-check on this machine, with the reason."""
+def self_checks() -> dict[str, dict[str, str]]:
+    """Kernel name -> {dtype: "pass" or "fail: why"} of the self-checks run so far."""
+    out: dict[str, dict[str, str]] = {name: {} for name in KERNEL_NAMES}
     with _STATE.lock:
-        return dict(_STATE.disabled)
+        for (name, dtype), problem in _STATE.checked.items():
+            out[name][dtype.split(".")[-1]] = "pass" if problem is None else f"fail: {problem}"
+    return out
+
+
+def disabled_kernels() -> dict[str, str]:
+    """Kernels that failed a self-check on this machine (for some dtype), with the reason."""
+    with _STATE.lock:
+        out: dict[str, str] = {}
+        for (name, dtype), problem in _STATE.checked.items():
+            if problem is not None:
+                out[name] = f"{out[name]}; {problem}" if name in out else problem
+        return out

@@ -54,11 +54,14 @@ def table_rows(table: mx.array, start: mx.array, length: int) -> tuple[mx.array,
 
 def apply(x: mx.array, cos: mx.array, sin: mx.array) -> mx.array:
     """x [..., D] rotated (rotate-half) in its first ``2 * cos.shape[-1]`` dims; cos and sin
-    broadcast against x[..., :dims / 2] (positions on the axis they index)."""
+    broadcast against x[..., :dims / 2] (positions on the axis they index). float32 cos/sin on
+    a half-precision x compute in float32 and round once to x's dtype, as ``mx.fast.rope`` does
+    on a GPU; cos/sin in x's dtype compute in it, as its CPU fallback does."""
     half = cos.shape[-1]
     if 2 * half == x.shape[-1]:
         first, second = mx.split(x, 2, axis=-1)
         rest = []
     else:
         first, second, *rest = mx.split(x, [half, 2 * half], axis=-1)
-    return mx.concatenate([first * cos - second * sin, first * sin + second * cos, *rest], axis=-1)
+    out = mx.concatenate([first * cos - second * sin, first * sin + second * cos, *rest], axis=-1)
+    return out if out.dtype == x.dtype else out.astype(x.dtype)

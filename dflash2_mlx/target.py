@@ -24,8 +24,8 @@ from mlx_lm.models.base import create_attention_mask, scaled_dot_product_attenti
 from mlx_lm.models.qwen3_next import Qwen3NextAttention, Qwen3NextMLP
 from mlx_lm.models.gated_delta import compute_g, gated_delta_update, normalize_qk
 
-from . import blas, rope
-from .caches import RecurrentInputs, TargetCache
+from . import blas, device, rope
+from .caches import RecurrentInputs, TargetCache, rollback_setting
 
 
 class UnsupportedModel(ValueError):
@@ -44,22 +44,37 @@ def _text_stack(model: nn.Module) -> tuple[nn.Module, nn.Module]:
     return outer, inner
 
 
-# Per-step states cost S x [Hv, Dv, Dk] floats per layer; above this (a 27B model's 16-row
-# verify on the CPU) rollback replays instead.
+# Per-step states cost S x [Hv, Dv, Dk] float32 per Gated DeltaNet layer. A 27B model's 16-row
+# verify on the CPU keeps 16 x 48 x 128 x 128 x 4 B = 48 MiB per layer (about 2.25 GiB over its 48
+# layers, for the length of one pass), within this bound: the CPU keeps them, it does not replay.
+# Only larger passes (more rows or heads) replay there; on Metal the recurrence is one kernel and
+# rollback replays (``DFLASH2_MLX_ROLLBACK`` overrides both, see caches.py).
 MAX_KEPT_STATE_BYTES = 64 << 20
 
 
 def _runs_ops_recurrence(gdn: nn.Module) -> bool:
-    """True where mlx-lm runs the recurrence as ops step by step (no Metal kernel: its own test)."""
+    """True where our op loop runs the recurrence: wherever mlx-lm would run it as ops (no Metal
+    kernel for this layer: its own test). With ``DFLASH2_MLX_PATHS=gpu`` the layer calls mlx-lm's
+    ``gated_delta_update`` as on Metal (on the CPU it runs mlx-lm's ops), so tests cover it."""
+    if device.forced_gpu_paths():
+        return False
     dk = gdn.head_k_dim
-    return not (mx.default_device() == mx.gpu and mx.metal.is_available() and dk >= 32 and dk % 32 == 0)
+    return not (device.metal_gpu() and dk >= 32 and dk % 32 == 0)
+
+
+def kept_state_bytes(gdn: nn.Module, steps: int) -> int:
+    """Bytes of the per-step states a verify pass of ``steps`` rows keeps for one layer."""
+    return steps * gdn.num_v_heads * gdn.head_v_dim * gdn.head_k_dim * 4
 
 
 def _keeps_step_states(gdn: nn.Module, steps: int) -> bool:
-    """A verify pass keeps every step's state (for rollback without replay) on the ops path,
-    within the memory bound."""
-    size = steps * gdn.num_v_heads * gdn.head_v_dim * gdn.head_k_dim * 4
-    return _runs_ops_recurrence(gdn) and size <= MAX_KEPT_STATE_BYTES
+    """Whether a verify pass keeps every step's state (rollback picks one) instead of having
+    rollback replay: ``DFLASH2_MLX_ROLLBACK`` keep / replay, or (auto) on the ops path within the
+    memory bound."""
+    setting = rollback_setting()
+    if setting != "auto":
+        return setting == "keep"
+    return _runs_ops_recurrence(gdn) and kept_state_bytes(gdn, steps) <= MAX_KEPT_STATE_BYTES
 
 
 # Passes of at most this many rows (decode steps, verify blocks) run compiled; prefill chunks,
@@ -202,7 +217,7 @@ class TargetRunner:
         (rotate-half) on the CPU, where mx.fast.rope runs as ~15 ops per call. Layers with the
         same RoPE settings share one table. None: call the module."""
         module = attn.rope
-        if type(module) is not nn.RoPE or module.traditional or mx.default_device() != mx.cpu:
+        if type(module) is not nn.RoPE or module.traditional or not device.cpu_paths():
             return None
         key = (module.dims, module.base, module.scale, attn.head_dim)
         if key not in self._rope_tables:
@@ -235,6 +250,15 @@ class TargetRunner:
         mx.eval(views)
         self._weights_t[key] = ([(m, m["weight"]) for m in modules.values()], views)
         return views
+
+    def rollback_path(self, steps: int = COMPILED_MAX_ROWS) -> str:
+        """How a verify pass of ``steps`` rows is rolled back: "keep" (it keeps each step's
+        Gated DeltaNet state), "replay" (rollback replays the recurrence) or "trim" (attention
+        only: nothing recurrent to roll back). For ``doctor``."""
+        gdn = next((layer.linear_attn for layer, kind in zip(self.layers, self.kinds) if kind == "gdn"), None)
+        if gdn is None:
+            return "trim"
+        return "keep" if _keeps_step_states(gdn, steps) else "replay"
 
     @property
     def num_layers(self) -> int:
@@ -306,7 +330,7 @@ class TargetRunner:
         if self._attention_index is not None:
             mask = create_attention_mask(h, cache[self._attention_index])
             if isinstance(mask, str) and mask == "causal" and tokens.shape[1] <= COMPILED_MAX_ROWS \
-                    and mx.default_device() == mx.cpu:
+                    and device.cpu_paths():
                 # the boolean mask MLX's CPU attention builds from "causal" in every layer (a few
                 # ops each), made once on the host: the same where(mask, scores, -inf) follows
                 offset, rows = cache[self._attention_index].offset, tokens.shape[1]

@@ -26,11 +26,26 @@ def _assert_caches_equal(got, want, atol=1e-4):
             np.testing.assert_allclose(np.array(a[1]), np.array(b[1]), atol=atol, err_msg=f"layer {i} recurrent state")
 
 
+@pytest.fixture(params=["keep", "replay", "replay-gpu-paths"])
+def rollback(request, monkeypatch):
+    """Each rollback path: kept per-step states (the CPU default), replay of the recorded inputs
+    (Metal's), and replay with every GPU code path the CPU can take (the verify pass calls
+    mlx-lm's gated_delta_update, as on Metal)."""
+    from dflash2_mlx import caches, device
+
+    setting = request.param.split("-")[0]
+    monkeypatch.setenv(caches.ROLLBACK_ENV, setting)
+    if request.param.endswith("gpu-paths"):
+        monkeypatch.setenv(device.PATHS_ENV, "gpu")
+    return setting
+
+
 @pytest.mark.parametrize("kind", ["hybrid", "plain"])
 @pytest.mark.parametrize("accepted", range(BLOCK))
-def test_rollback_after_a_verify_pass_matches_plain_feeding(kind, accepted, hybrid_target, plain_target):
+def test_rollback_after_a_verify_pass_matches_plain_feeding(kind, accepted, hybrid_target, plain_target, rollback):
     cfg, model = hybrid_target if kind == "hybrid" else plain_target
     runner = TargetRunner(model)
+    assert runner.rollback_path() == (rollback if kind == "hybrid" else "trim")
     rng = random.Random(accepted)
     prompt = [rng.randrange(256) for _ in range(11)]
     block = [rng.randrange(256) for _ in range(BLOCK)]  # anchor + 7 drafts
@@ -39,6 +54,7 @@ def test_rollback_after_a_verify_pass_matches_plain_feeding(kind, accepted, hybr
     recorded = []
     runner(mx.array([block]), cache, record=recorded)
     assert len(recorded) == runner.kinds.count("gdn")
+    assert all((rec.states is not None) == (rollback == "keep") for rec in recorded)
     cache.rollback(recorded, fed=BLOCK, keep=accepted + 1)
     # the reference gets the prompt the same way, then the committed block tokens one by one,
     # as plain decoding would have fed them
@@ -52,6 +68,40 @@ def test_rollback_after_a_verify_pass_matches_plain_feeding(kind, accepted, hybr
     a, _ = runner(nxt, cache)
     b, _ = runner(nxt, reference)
     np.testing.assert_allclose(np.array(a), np.array(b), atol=1e-4)
+
+
+def test_rollback_setting_rejects_an_unknown_value_in_one_line(monkeypatch):
+    from dflash2_mlx import caches
+
+    monkeypatch.setenv(caches.ROLLBACK_ENV, "sometimes")
+    with pytest.raises(ValueError, match="DFLASH2_MLX_ROLLBACK='sometimes' is not one of auto, keep, replay"):
+        caches.rollback_setting()
+    monkeypatch.setenv(caches.ROLLBACK_ENV, "")
+    assert caches.rollback_setting() == "auto"
+
+
+def test_auto_rollback_keeps_on_the_cpu_and_replays_on_the_gpu_paths(hybrid_target, monkeypatch):
+    """auto: the CPU keeps per-step states (within the bound); where the recurrence is mlx-lm's
+    (Metal, or the GPU paths forced on the CPU) rollback replays."""
+    from dflash2_mlx import caches, device
+
+    monkeypatch.delenv(caches.ROLLBACK_ENV, raising=False)
+    _, model = hybrid_target
+    assert TargetRunner(model).rollback_path() == "keep"
+    monkeypatch.setenv(device.PATHS_ENV, "gpu")
+    assert TargetRunner(model).rollback_path() == "replay"
+
+
+def test_a_27b_verify_pass_keeps_48_mib_per_layer_within_the_bound():
+    """The numbers target.py's comment states: 16 rows x 48 value heads x 128 x 128 float32."""
+    from types import SimpleNamespace
+
+    from dflash2_mlx import target
+
+    gdn = SimpleNamespace(num_v_heads=48, head_v_dim=128, head_k_dim=128)
+    assert target.kept_state_bytes(gdn, 16) == 48 << 20
+    assert 48 * target.kept_state_bytes(gdn, 16) == int(2.25 * 2**30)
+    assert target.kept_state_bytes(gdn, 16) <= target.MAX_KEPT_STATE_BYTES
 
 
 def test_snapshot_restores_the_whole_cache(hybrid_target):
