@@ -126,15 +126,11 @@ def load_models(choice: ModelChoice, block_size: Optional[int] = None, quiet: bo
     """Load the target (and drafter), validate the pair; returns (Target, Drafter | None)."""
     from rich.console import Console
 
-    from dflash2_mlx.loading import freeze_loaded_objects, load_drafter, load_target, validate_pair
+    from dflash2_mlx.loading import freeze_loaded_objects, load_pair
 
     console = Console(stderr=True)
     with console.status(f"loading {choice.label} ...") if not quiet and console.is_terminal else _null():
-        target = load_target(choice.target)
-        drafter = None
-        if choice.drafter is not None:
-            drafter = load_drafter(choice.drafter)
-            validate_pair(target.runner, drafter.config, target.name)
+        target, drafter = load_pair(choice.target, choice.drafter, label=choice.label)
     if drafter is not None and block_size is not None and not 1 < block_size <= drafter.config.block_size:
         fail(f"--block-size must be in 2..{drafter.config.block_size} for this drafter, got {block_size}")
     freeze_loaded_objects()

@@ -46,6 +46,12 @@ def download_command(
         except UnknownPreset as e:
             fail(e.args[0])
         jobs = [(p.target, False), (p.drafter, True)]
+        from dflash2_mlx import memory
+
+        try:  # a pair this machine cannot run is not worth 19 GB of download
+            memory.preflight(p.target, p.drafter, label=f"preset {p.name}")
+        except (memory.DoesNotFit, ValueError) as e:
+            fail(str(e))
         if not p.verified:
             typer.echo(f"note: the repo ids of preset {p.name} are not verified on the Hub yet", err=True)
         typer.echo(f"preset {p.name}: {p.memory_line()}", err=True)

@@ -17,6 +17,7 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_flatten
 
+from .caches import rollback_setting
 from .config import ARCHITECTURES as DRAFTER_ARCHITECTURES
 from .config import ConfigError, DrafterConfig
 from .drafter import Drafter
@@ -106,6 +107,10 @@ def load_target(path_or_repo: str) -> Target:
     """An mlx-lm model (bf16 or quantized, MLX or original HF layout) wrapped in a TargetRunner."""
     from mlx_lm.utils import load_model, load_tokenizer
 
+    try:
+        rollback_setting()  # a bad DFLASH2_MLX_ROLLBACK is the user's to fix, before any work
+    except ValueError as e:
+        raise LoadError(str(e)) from None
     path = resolve(path_or_repo, "model")
     config = _read_json(path / "config.json")
     if "dflash_config" in config or set(config.get("architectures") or ()) & set(DRAFTER_ARCHITECTURES):
@@ -216,6 +221,29 @@ def validate_pair(runner: TargetRunner, config: DrafterConfig, target_name: Opti
                 f"drafter was trained for {config.target_name} but the target is {target_name}; "
                 "acceptance may be low"
             )
+
+
+def load_pair(target_spec: str, drafter_spec: Optional[str], context: Optional[int] = None,
+              label: Optional[str] = None) -> tuple[Target, Optional[Drafter]]:
+    """Load a target (and its drafter) the way the commands and the server do: the memory
+    pre-flight first (before any download: a pair that cannot fit ends in one line), then load
+    and validate, run the Metal kernels' self-checks for every float dtype the models use (before
+    any compile trace) and set the GPU wired limit as mlx-lm does."""
+    from . import kernels, memory
+
+    try:
+        memory.preflight(target_spec, drafter_spec, context, label)
+    except (memory.DoesNotFit, ValueError) as e:
+        raise LoadError(str(e)) from None
+    target = load_target(target_spec)
+    drafter = None
+    if drafter_spec is not None:
+        drafter = load_drafter(drafter_spec)
+        validate_pair(target.runner, drafter.config, target.name)
+    models = [target.runner.model] + ([drafter] if drafter is not None else [])
+    kernels.prepare(kernels.float_dtypes([m.parameters() for m in models]))
+    memory.set_wired_limit(sum(memory.tree_bytes(m) for m in models))
+    return target, drafter
 
 
 def freeze_loaded_objects() -> None:

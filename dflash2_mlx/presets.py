@@ -13,6 +13,18 @@ as stored, plus the caches of one conversation. They are estimates from the shap
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Optional
+
+from .memory import GB, DrafterShape, TargetShape
+
+# The shapes of /work/shared/reference (qwen3.8-27b and qwen3.8-27b-dflash2 config.json): what
+# sizes the caches, known without downloading anything (the memory pre-flight uses them).
+QWEN38_27B_SHAPE = TargetShape(
+    attention_layers=16, kv_heads=4, head_dim=256,  # every 4th of 64 layers is gated attention
+    gdn_layers=48, gdn_value_heads=48, gdn_value_dim=128, gdn_key_heads=16, gdn_key_dim=128,
+    conv_kernel=4, kv_bytes=2, max_context=262144,
+)
+DFLASH2_27B_SHAPE = DrafterShape(layers=5, kv_heads=8, head_dim=128, window=2048, kv_bytes=2)
 
 
 @dataclass(frozen=True)
@@ -26,6 +38,16 @@ class Preset:
     cache_gb_per_32k: float  # target KV + Gated DeltaNet state + drafter context, per 32K tokens
     verified: bool = False  # repo ids checked to exist on the Hub
     block_size: int = 8
+    target_shape: TargetShape = QWEN38_27B_SHAPE
+    drafter_shape: DrafterShape = DFLASH2_27B_SHAPE
+
+    @property
+    def target_bytes(self) -> int:
+        return int(self.target_gb * GB)
+
+    @property
+    def drafter_bytes(self) -> int:
+        return int(self.drafter_gb * GB)
 
     def total_gb(self, context_tokens: int = 32768) -> float:
         return self.target_gb + self.drafter_gb + self.cache_gb_per_32k * context_tokens / 32768
@@ -68,6 +90,11 @@ PRESETS: dict[str, Preset] = {
 
 class UnknownPreset(KeyError):
     pass
+
+
+def by_target(repo_id: str) -> Optional[Preset]:
+    """The preset whose target is ``repo_id`` (its recorded sizes stand in for a download)."""
+    return next((p for p in PRESETS.values() if p.target == repo_id), None)
 
 
 def get_preset(name: str) -> Preset:

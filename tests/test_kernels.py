@@ -573,3 +573,128 @@ def test_self_check_failure_falls_back_with_a_warning(simulated_metal):
     with pytest.warns(RuntimeWarning, match="two_tap_conv"):
         kernels.two_tap_conv(*_conv_args(rng, 1, 4, 32, 2))
     assert kernels.active_kernels()["two_tap_conv"] == "reference"
+
+
+# ----- the self-check's decision, with the CPU harness (or a broken kernel) standing in for Metal
+
+
+@pytest.mark.parametrize("dtype", kernels.CHECK_DTYPES, ids=str)
+@pytest.mark.parametrize("name", kernels.KERNEL_NAMES)
+def test_self_check_passes_the_real_kernel_bodies_at_the_real_launch_widths(name, dtype):
+    """check_kernel with the harness-compiled .metal body: it passes for every dtype, and the
+    launch it checks is a real one (threadgroups of 256 threads, hidden 5120, k 16, rank 256)."""
+    launched = []
+
+    def run(plan):
+        launched.append(plan)
+        return harness.run(plan)
+
+    assert kernels.check_kernel(name, dtype, run) is None
+    (plan,) = launched
+    assert plan.threadgroup[0] == 256
+    args = kernels.check_args(name, dtype)
+    if name == "two_tap_conv":
+        assert args[0].shape == (1, 16, 5120) and args[1].shape == (1, 16, 2, 320)
+    else:
+        assert args[1].shape == (1, 15, 16) and args[3].shape == (1, 15, 256)
+    assert all(a.dtype == dtype for a in args if isinstance(a, mx.array) and a.dtype in (mx.float32, mx.float16, mx.bfloat16))
+
+
+@pytest.mark.parametrize("name,old,new", [
+    ("two_tap_conv", "k1 * prev", "k1 * cur"),
+    ("select_greedy", "if (s > best)", "if (s < best)"),
+])
+def test_self_check_rejects_a_wrong_kernel_body(name, old, new):
+    source = _mutate(name, old, new)
+    problem = kernels.check_kernel(name, mx.bfloat16, lambda plan: harness.run(plan, source=source))
+    assert problem is not None and "bfloat16" in problem
+
+
+def test_self_check_rejects_a_kernel_that_fails_to_launch_or_is_off_by_a_percent():
+    def broken(plan):
+        raise RuntimeError("Unable to build metal library from source\nerror: ...")
+
+    assert kernels.check_kernel("two_tap_conv", mx.float32, broken).startswith("RuntimeError: Unable to build")
+
+    def off(plan):  # the float output (conv: out; sampled: q) 1% off, paths untouched
+        outs = list(harness.run(plan))
+        i = 0 if plan.kernel == "two_tap_conv" else 1
+        outs[i] = outs[i] * 1.01
+        return outs
+
+    assert "max abs error" in kernels.check_kernel("two_tap_conv", mx.float32, off)
+    assert "q max abs error" in kernels.check_kernel("select_sampled", mx.float32, off)
+
+
+def test_self_check_computes_its_reference_on_the_cpu_stream(monkeypatch):
+    """A GPU matmul may run as TF32: the reference is computed on the CPU stream."""
+    devices = []
+    reference = kernels.REFERENCES["two_tap_conv"]
+
+    def recording(*args):
+        devices.append(mx.default_device())
+        return reference(*args)
+
+    monkeypatch.setitem(kernels.REFERENCES, "two_tap_conv", recording)
+    assert kernels.check_kernel("two_tap_conv", mx.float32, harness.run) is None
+    assert devices == [mx.cpu]
+
+
+def test_a_kernel_failing_for_one_dtype_is_disabled_for_that_dtype_only(simulated_metal, monkeypatch):
+    runs, _ = simulated_metal
+
+    def bf16_broken(plan):
+        runs.append((plan.kernel, str(plan.inputs[0].dtype)))
+        outs = harness.run(plan)
+        return [o * 2 for o in outs] if plan.inputs[0].dtype == mx.bfloat16 and plan.kernel == "two_tap_conv" else outs
+
+    monkeypatch.setattr(kernels, "_run_metal", bf16_broken)
+    with pytest.warns(RuntimeWarning, match="two_tap_conv.*bfloat16"):
+        active = kernels.prepare([mx.float32, mx.bfloat16])
+    assert active["two_tap_conv"] == "metal (reference for bfloat16)"
+    assert active["select_greedy"] == active["select_sampled"] == "metal"
+    checks = kernels.self_checks()
+    assert checks["two_tap_conv"]["float32"] == "pass" and checks["two_tap_conv"]["bfloat16"].startswith("fail")
+    rng = np.random.default_rng(3)
+    before = len(runs)
+    kernels.two_tap_conv(*_conv_args(rng, 1, 8, 48, 3))  # float32: the kernel
+    assert len(runs) == before + 1
+    bf16 = _conv_args(rng, 1, 8, 48, 3, mx.bfloat16)
+    got = kernels.two_tap_conv(*bf16)  # bfloat16: the reference, no launch, no new check
+    assert len(runs) == before + 1
+    assert mx.array_equal(got, kernels.reference_two_tap_conv(*bf16))
+
+
+def test_compiled_functions_are_self_checked_for_their_inputs_dtypes_before_the_trace(simulated_metal):
+    """kernels.compiled runs the checks for every float dtype of the captured inputs (and
+    float32) when it builds the compiled function, before anything is traced; a later call
+    with those dtypes only launches (the harness cannot run inside a trace, so the launch is
+    made eagerly here)."""
+    runs, _ = simulated_metal
+    weights = {"base": mx.ones((2, 48), dtype=mx.bfloat16)}
+    traced = []
+
+    def fn(x, dyn):
+        traced.append(True)
+        return kernels.two_tap_conv(x, dyn, weights["base"])
+
+    kernels.compiled({}, "conv", fn, weights)
+    assert not traced
+    checks = kernels.self_checks()
+    assert {d for name in kernels.KERNEL_NAMES for d in checks[name]} == {"float32", "bfloat16"}
+    before = len(runs)
+    x, dyn, _ = _conv_args(np.random.default_rng(5), 1, 8, 48, 3, mx.bfloat16)
+    kernels.two_tap_conv(x, dyn, weights["base"])
+    assert len(runs) == before + 1  # the launch only: no check left to run
+
+
+def test_loading_a_pair_self_checks_the_dtypes_the_models_use(simulated_metal, embedded_pair):
+    from dflash2_mlx.loading import load_pair
+
+    target, drafter = load_pair(str(embedded_pair[0]), str(embedded_pair[1]))
+    dtypes = {str(a.dtype).split(".")[-1] for m in (target.runner.model, drafter)
+              for _, a in __import__("mlx.utils", fromlist=["tree_flatten"]).tree_flatten(m.parameters())}
+    checks = kernels.self_checks()
+    for name in kernels.KERNEL_NAMES:
+        assert set(checks[name]) >= dtypes & {"float32", "float16", "bfloat16"}
+        assert all(v == "pass" for v in checks[name].values())

@@ -38,8 +38,11 @@ def plain_greedy():
     memo = {}
 
     def plain(target, prompt, n):
+        from dflash2_mlx import device
+
         _, model = target
-        key = (id(model), tuple(prompt))
+        # the GPU code paths (forced on the CPU) round differently: their plain run is their own
+        key = (id(model), tuple(prompt), device.forced_gpu_paths())
         if len(memo.get(key, ())) < n:
             memo[key] = _tokens(generate_autoregressive(TargetRunner(model), prompt, GenerationSettings(max_tokens=n)))
         return memo[key][:n]
@@ -141,6 +144,28 @@ def test_lossless_through_the_compiled_kernel_bodies(hybrid_target, plain_target
         for block in range(2, 17):  # every accepted count 0..B-1 for every B, through the kernels
             _forced_accepted_counts(hybrid_target if block % 2 else plain_target, block, plain_greedy)
     assert calls["two_tap_conv"] > 0 and calls["select_greedy"] > 0
+
+
+@pytest.mark.parametrize("path", ["keep", "replay", "replay-gpu-paths"])
+def test_speculative_greedy_equals_plain_greedy_with_each_rollback_path(path, hybrid_target, plain_target,
+                                                                       plain_greedy, monkeypatch):
+    """The same property with rollback forced to keep per-step states, to replay the recurrence
+    (Metal's path), and to replay with every GPU code path the CPU can take (mlx-lm's
+    gated_delta_update in the layer, RoPE and masks as on a GPU, the fused drafter attention):
+    random cases plus every accepted count for every block size."""
+    from dflash2_mlx import caches, device
+
+    monkeypatch.setenv(caches.ROLLBACK_ENV, path.split("-")[0])
+    if path.endswith("gpu-paths"):
+        monkeypatch.setenv(device.PATHS_ENV, "gpu")
+    targets = {"hybrid": hybrid_target, "plain": plain_target}
+    assert TargetRunner(hybrid_target[1]).rollback_path() == path.split("-")[0]
+    rng = random.Random(31)
+    seen = defaultdict(set)
+    for kind, prompt in _random_prompts(4242, 16):  # noqa: B007
+        _case(rng, targets[kind], prompt, plain_greedy(targets[kind], prompt, MAX_TOKENS), seen)
+    for block in range(2, 17):  # asserts that every accepted count 0..B-1 occurred
+        _forced_accepted_counts(hybrid_target, block, plain_greedy)
 
 
 def _assert_full_coverage(seen):

@@ -200,12 +200,9 @@ class Worker:
         if self._loader is not None:  # tests: inject already-built objects
             self.target, self.drafter = self._loader()
         else:
-            from dflash2_mlx.loading import load_drafter, load_target, validate_pair
+            from dflash2_mlx.loading import load_pair
 
-            self.target = load_target(self.model_path)
-            if self.draft_path is not None:
-                self.drafter = load_drafter(self.draft_path)
-                validate_pair(self.target.runner, self.drafter.config, self.target.name)
+            self.target, self.drafter = load_pair(self.model_path, self.draft_path, self.max_context_limit)
         import mlx.core as mx
 
         from dflash2_mlx.loading import freeze_loaded_objects

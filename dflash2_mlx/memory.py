@@ -1,0 +1,354 @@
+"""Memory: what a target + drafter pair needs at a context length, what the machine has, the
+pre-flight that refuses a pair that cannot fit (before any download or load), and the wired limit.
+
+Needs: the weights as stored (safetensors sizes: the files of a local directory, the Hub's file
+sizes for a repo id, or a preset's recorded facts; no weight is downloaded), plus the caches of
+one sequence at the context: attention KV (K and V per attention layer), the Gated DeltaNet
+states (float32 recurrent state and conv window per layer, fixed size), the per-step states a
+verify pass keeps where rollback keeps them, and the drafter's context K/V (bounded by its
+sliding window).
+
+Has: on a Mac, the GPU's recommended working set (``mx.device_info()``'s
+``max_recommended_working_set_size``, the wired limit mlx-lm sets); elsewhere the physical
+memory. ``DFLASH2_MLX_MEMORY_GB`` overrides it (tests, and users who know better).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Optional
+
+import mlx.core as mx
+
+MEMORY_ENV = "DFLASH2_MLX_MEMORY_GB"
+GB = 1e9
+# Planning context when a command asks for none (serve --max-context sets it): a long chat.
+DEFAULT_CONTEXT = 32768
+# Activations, the prefill's temporaries, MLX's buffer cache: a margin on top of the estimate.
+HEADROOM = 1.10
+VERIFY_ROWS = 16  # the largest verify pass (block size): the kept per-step states
+
+
+@dataclass(frozen=True)
+class TargetShape:
+    """What sizes the target's caches (from its config.json, or a preset's recorded facts)."""
+
+    attention_layers: int
+    kv_heads: int
+    head_dim: int
+    gdn_layers: int = 0
+    gdn_value_heads: int = 0
+    gdn_value_dim: int = 0
+    gdn_key_heads: int = 0
+    gdn_key_dim: int = 0
+    conv_kernel: int = 4
+    kv_bytes: int = 2  # bf16 / fp16 activations (float32 models: 4)
+    max_context: Optional[int] = None
+
+    @classmethod
+    def from_config(cls, config: dict) -> "TargetShape":
+        """From a target's config.json (Qwen3.5-style hybrids, or plain attention models)."""
+        text = config.get("text_config", config)
+        layers = int(text.get("num_hidden_layers", 0))
+        types = text.get("layer_types")
+        if types:
+            gdn = sum(t == "linear_attention" for t in types)
+        elif "full_attention_interval" in text:
+            gdn = layers - layers // int(text["full_attention_interval"])
+        else:
+            gdn = 0
+        heads = int(text.get("num_attention_heads", 1))
+        head_dim = int(text.get("head_dim") or int(text.get("hidden_size", 0)) // max(heads, 1))
+        dtype = str(text.get("torch_dtype") or text.get("dtype") or config.get("torch_dtype") or "bfloat16")
+        return cls(
+            attention_layers=layers - gdn,
+            kv_heads=int(text.get("num_key_value_heads", heads)),
+            head_dim=head_dim,
+            gdn_layers=gdn,
+            gdn_value_heads=int(text.get("linear_num_value_heads", 0)),
+            gdn_value_dim=int(text.get("linear_value_head_dim", 0)),
+            gdn_key_heads=int(text.get("linear_num_key_heads", 0)),
+            gdn_key_dim=int(text.get("linear_key_head_dim", 0)),
+            conv_kernel=int(text.get("linear_conv_kernel_dim", 4)),
+            kv_bytes=4 if "float32" in dtype else 2,
+            max_context=int(text.get("max_position_embeddings", 0)) or None,
+        )
+
+    def kv_bytes_at(self, context: int) -> int:
+        return 2 * self.attention_layers * self.kv_heads * self.head_dim * self.kv_bytes * context
+
+    def gdn_state_bytes(self) -> int:
+        recurrent = self.gdn_value_heads * self.gdn_value_dim * self.gdn_key_dim * 4
+        conv_dim = 2 * self.gdn_key_heads * self.gdn_key_dim + self.gdn_value_heads * self.gdn_value_dim
+        return self.gdn_layers * (recurrent + (self.conv_kernel - 1) * conv_dim * self.kv_bytes)
+
+    def kept_verify_bytes(self, rows: int = VERIFY_ROWS) -> int:
+        """Per-step states one verify pass keeps (rollback by keeping; replay keeps none)."""
+        return self.gdn_layers * rows * self.gdn_value_heads * self.gdn_value_dim * self.gdn_key_dim * 4
+
+
+@dataclass(frozen=True)
+class DrafterShape:
+    layers: int
+    kv_heads: int
+    head_dim: int
+    window: Optional[int] = None
+    kv_bytes: int = 2
+
+    @classmethod
+    def from_config(cls, config: dict) -> "DrafterShape":
+        heads = int(config.get("num_attention_heads", 1))
+        window = config.get("sliding_window") if config.get("use_sliding_window", True) else None
+        dtype = str(config.get("torch_dtype") or config.get("dtype") or "bfloat16")
+        return cls(
+            layers=int(config.get("num_hidden_layers", 0)),
+            kv_heads=int(config.get("num_key_value_heads", heads)),
+            head_dim=int(config.get("head_dim") or int(config.get("hidden_size", 0)) // max(heads, 1)),
+            window=int(window) if window else None,
+            kv_bytes=4 if "float32" in dtype else 2,
+        )
+
+    def context_bytes_at(self, context: int) -> int:
+        rows = min(context, self.window - 1) if self.window else context
+        return 2 * self.layers * self.kv_heads * self.head_dim * self.kv_bytes * rows
+
+
+@dataclass
+class MemoryPlan:
+    """What a pair needs at a context length, in bytes, by part."""
+
+    context: int
+    target_weights: int
+    drafter_weights: int
+    kv_cache: int
+    gdn_states: int
+    verify_states: int
+    drafter_context: int
+    parts: dict = field(default_factory=dict)
+
+    @property
+    def total(self) -> int:
+        return (self.target_weights + self.drafter_weights + self.kv_cache + self.gdn_states
+                + self.verify_states + self.drafter_context)
+
+    @property
+    def needed(self) -> int:
+        """The total with the margin for activations and MLX's buffer cache."""
+        return int(self.total * HEADROOM)
+
+    def as_dict(self) -> dict:
+        return {**{k: v for k, v in asdict(self).items() if k != "parts"},
+                "total": self.total, "needed_with_headroom": self.needed}
+
+
+def plan(target: TargetShape, target_weights: int, drafter: Optional[DrafterShape], drafter_weights: int,
+         context: int, keeps_verify_states: bool) -> MemoryPlan:
+    """The memory a pair needs for one sequence of ``context`` tokens."""
+    return MemoryPlan(
+        context=context,
+        target_weights=target_weights,
+        drafter_weights=drafter_weights if drafter else 0,
+        kv_cache=target.kv_bytes_at(context),
+        gdn_states=target.gdn_state_bytes(),
+        verify_states=target.kept_verify_bytes() if (drafter and keeps_verify_states) else 0,
+        drafter_context=drafter.context_bytes_at(context) if drafter else 0,
+    )
+
+
+# ---------------------------------------------------------------------------------------------
+# What the machine has
+
+
+def available_bytes() -> tuple[int, str]:
+    """(bytes the models may use, where the figure comes from)."""
+    override = os.environ.get(MEMORY_ENV, "").strip()
+    if override:
+        try:
+            value = float(override)
+        except ValueError:
+            raise ValueError(f"{MEMORY_ENV}={override!r} is not a number of GB; set e.g. {MEMORY_ENV}=24") from None
+        if value <= 0:
+            raise ValueError(f"{MEMORY_ENV} must be a positive number of GB, got {override}")
+        return int(value * GB), MEMORY_ENV
+    info = mx.device_info() if hasattr(mx, "device_info") else {}
+    working_set = info.get("max_recommended_working_set_size")
+    if working_set:
+        return int(working_set), "the GPU's recommended working set"
+    total = info.get("memory_size")
+    if not total:
+        try:
+            total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+        except (ValueError, OSError, AttributeError):
+            total = 0
+    return int(total), "physical memory"
+
+
+# ---------------------------------------------------------------------------------------------
+# Weights as stored, without downloading them
+
+
+def local_weight_bytes(directory: Path) -> int:
+    """Bytes of a model directory's safetensors files (the index's total_size if only it is there)."""
+    files = list(Path(directory).glob("*.safetensors"))
+    if files:
+        return sum(f.stat().st_size for f in files)
+    index = Path(directory) / "model.safetensors.index.json"
+    if index.exists():
+        try:
+            return int(json.loads(index.read_text()).get("metadata", {}).get("total_size", 0))
+        except (OSError, ValueError):
+            return 0
+    return 0
+
+
+def hub_weight_bytes(repo_id: str) -> Optional[int]:
+    """Bytes of a Hub repo's safetensors files from its file listing (metadata only), or None
+    when the Hub cannot be asked (offline, unknown repo: loading then says why)."""
+    from huggingface_hub import HfApi, constants
+
+    if constants.HF_HUB_OFFLINE:
+        return None
+    try:
+        info = HfApi().model_info(repo_id, files_metadata=True)
+    except Exception:
+        return None
+    sizes = [s.size or 0 for s in (info.siblings or []) if s.rfilename.endswith(".safetensors")]
+    return sum(sizes) if sizes else None
+
+
+def hub_config(repo_id: str) -> Optional[dict]:
+    """A Hub repo's config.json (a small file; cached by huggingface_hub), or None."""
+    from huggingface_hub import hf_hub_download
+
+    try:
+        return json.loads(Path(hf_hub_download(repo_id, "config.json")).read_text())
+    except Exception:
+        return None
+
+
+# ---------------------------------------------------------------------------------------------
+# The pre-flight
+
+
+class DoesNotFit(RuntimeError):
+    """A pair that cannot fit in this machine's memory; the message is one line."""
+
+
+def gb(n: int) -> str:
+    return f"{n / GB:.1f} GB"
+
+
+def check_fits(needed: MemoryPlan, has: int, source: str, label: str) -> None:
+    """Raise DoesNotFit (one line: needs, has, what to try) when ``needed`` exceeds ``has``."""
+    if has <= 0 or needed.needed <= has:
+        return
+    caches = needed.kv_cache + needed.gdn_states + needed.verify_states + needed.drafter_context
+    raise DoesNotFit(
+        f"{label} needs about {gb(needed.needed)} ({gb(needed.target_weights)} target + "
+        f"{gb(needed.drafter_weights)} drafter weights + {gb(caches)} caches at {needed.context} tokens, "
+        f"+{round((HEADROOM - 1) * 100)}%) but this machine has {gb(has)} ({source}); try a smaller "
+        f"quantization (e.g. a 4-bit target, an 8-bit drafter from `dflash2-mlx convert --draft`) or a "
+        f"shorter --max-context, or set {MEMORY_ENV} if you know better"
+    )
+
+
+def preflight(target: str, drafter: Optional[str], context: Optional[int] = None, label: Optional[str] = None
+              ) -> Optional[MemoryPlan]:
+    """Check, before any download or load, that the pair (local directories, repo ids, or a
+    preset's repos) fits this machine's memory at ``context`` tokens (default: 32K, or the model's
+    context if shorter). Raises DoesNotFit with one line; returns the plan, or None when the
+    sizes cannot be known without downloading (loading then proceeds)."""
+    from . import presets
+
+    preset = presets.by_target(target)
+    if preset is not None and (drafter is None or drafter == preset.drafter):
+        target_shape, drafter_shape = preset.target_shape, preset.drafter_shape
+        target_weights, drafter_weights = preset.target_bytes, preset.drafter_bytes
+        label = label or f"preset {preset.name}"
+    else:
+        found = _sizes(target, "model")
+        if found is None:
+            return None
+        target_config, target_weights = found
+        target_shape = TargetShape.from_config(target_config)
+        drafter_shape, drafter_weights = None, 0
+        if drafter is not None:
+            found = _sizes(drafter, "draft model")
+            if found is None:
+                return None
+            drafter_shape, drafter_weights = DrafterShape.from_config(found[0]), found[1]
+        label = label or "this model pair"
+    limit = target_shape.max_context or DEFAULT_CONTEXT
+    ctx = min(context or DEFAULT_CONTEXT, limit)
+    needed = plan(target_shape, target_weights, drafter_shape, drafter_weights, ctx, keeps_verify_states())
+    has, source = available_bytes()
+    check_fits(needed, has, source, label)
+    return needed
+
+
+def keeps_verify_states() -> bool:
+    """Whether verify passes keep per-step states here (the CPU's auto path, or forced)."""
+    from . import device
+    from .caches import rollback_setting
+
+    setting = rollback_setting()
+    return setting == "keep" or (setting == "auto" and not device.metal_gpu())
+
+
+def _sizes(spec: str, what: str) -> Optional[tuple[dict, int]]:
+    """(config, weight bytes) of a local directory or a repo id, without downloading weights."""
+    path = Path(spec).expanduser()
+    if path.is_dir() and (path / "config.json").exists():
+        try:
+            config = json.loads((path / "config.json").read_text())
+        except (OSError, ValueError):
+            return None  # loading names the damaged file
+        return config, local_weight_bytes(path)
+    if path.exists():
+        return None
+    config = hub_config(spec)
+    weights = hub_weight_bytes(spec) if config is not None else None
+    return None if weights is None else (config, weights)
+
+
+# ---------------------------------------------------------------------------------------------
+# The wired limit
+
+
+_WIRED: dict = {"limit": None}
+
+
+def set_wired_limit(model_bytes: int) -> Optional[int]:
+    """Wire the GPU's recommended working set, as mlx-lm does around generation
+    (``mlx_lm.utils.maybe_set_recommended_wired_limit``), for the life of the process (our
+    commands and the server own the models until they exit). Warns, as mlx-lm does, when the
+    models take more than 90% of it. Returns the limit set, or None (no Metal GPU)."""
+    from mlx_lm.utils import maybe_set_recommended_wired_limit
+
+    if not mx.metal.is_available() or maybe_set_recommended_wired_limit() is None:
+        return None
+    limit = int(mx.device_info()["max_recommended_working_set_size"])
+    if model_bytes > 0.9 * limit:
+        import warnings
+
+        warnings.warn(
+            f"the models take {model_bytes // 2**20} MB, close to the GPU's recommended working set of "
+            f"{limit // 2**20} MB: generation may be slow (a smaller quantization helps)"
+        )
+    _WIRED["limit"] = limit
+    return limit
+
+
+def tree_bytes(module) -> int:
+    """Bytes of a module's arrays (mlx-lm's wired_limit sums the same)."""
+    from mlx.utils import tree_reduce
+
+    return tree_reduce(lambda acc, x: acc + x.nbytes if isinstance(x, mx.array) else acc, module, 0)
+
+
+def wired_limit() -> Optional[int]:
+    """The wired limit :func:`set_wired_limit` set in this process (None: not set)."""
+    return _WIRED["limit"]
