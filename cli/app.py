@@ -236,16 +236,14 @@ def _self_test(max_tokens: int = 48) -> tuple[bool, str]:
     plain = [t for event in generate_autoregressive(target.runner, ids, settings, target.tokenizer) for t in event.tokens]
     seconds = time.perf_counter() - t0
     if spec != plain:
-        i = next((k for k, (a, b) in enumerate(zip(spec, plain)) if a != b), min(len(spec), len(plain)))
-        if i >= len(plain):
-            return False, f"FAILED: speculative output is longer than autoregressive output ({len(spec)} > {len(plain)})"
-        gap = doctor_report.top2_gap(target.runner, ids + plain[:i])
         bound = doctor_report.rounding_bound(target.runner, [(ids, plain)], drafter.config.block_size)["bound"]
-        if gap > bound:
-            return False, (f"FAILED: speculative output differs from autoregressive at token {i} (of {len(plain)}) "
-                           f"where the target's top-2 gap {gap:.3g} exceeds the rounding bound {bound:.3g}")
-        return True, (f"lossless up to a near-tie: outputs part at token {i} of {len(plain)}, top-2 gap {gap:.3g} "
-                      f"within the rounding bound {bound:.3g} ({seconds:.1f} s)")
+        found = doctor_report.divergence(target.runner, ids, plain, spec, bound)
+        where = f"outputs part at token {found['position']} of {len(plain)}"
+        if not found["within_bound"]:
+            gap = "no gap: one output is longer" if found["top2_gap"] is None else f"top-2 gap {found['top2_gap']:.3g}"
+            return False, f"FAILED: {where} ({gap}, rounding bound {bound:.3g})"
+        return True, (f"lossless up to a near-tie: {where}, top-2 gap {found['top2_gap']:.3g} within the "
+                      f"rounding bound {bound:.3g} ({seconds:.1f} s)")
     return True, (f"lossless: speculative == autoregressive greedy on {len(plain)} tokens, "
                   f"acceptance length {stats.acceptance_length:.2f} ({seconds:.1f} s)")
 

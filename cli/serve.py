@@ -51,6 +51,12 @@ def serve_command(
     origins = [o.strip() for item in allowed_origins for o in item.split(",") if o.strip()]
     choice = choose_models(model, draft_model, None, need_draft=not no_draft)
     _check_local_paths(choice)
+    from dflash2_mlx import memory
+
+    try:  # before the worker downloads anything: a pair that cannot fit ends here, in one line
+        memory.preflight(choice.target, choice.drafter, max_context, label=choice.label)
+    except (memory.DoesNotFit, ValueError) as e:
+        fail(str(e))
 
     try:
         import uvicorn

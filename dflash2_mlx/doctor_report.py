@@ -167,6 +167,23 @@ def rounding_bound(runner, probes: Sequence[tuple[list[int], list[int]]], rows: 
     return {"max_logit_difference": worst, "bound": 2 * worst, "rows": rows, "probes": len(probes)}
 
 
+def divergence(runner, prompt: Sequence[int], plain: Sequence[int], spec: Sequence[int], bound: float) -> Optional[dict]:
+    """None when ``spec`` is ``plain``; else where they part, the target's top-2 logit gap there
+    and whether it is within ``bound`` (a longer or shorter output is never within it)."""
+    if list(spec) == list(plain):
+        return None
+    i = next((j for j, (a, b) in enumerate(zip(spec, plain)) if a != b), min(len(spec), len(plain)))
+    if i >= len(plain) or i >= len(spec):
+        return {"position": i, "top2_gap": None, "within_bound": False}
+    gap = top2_gap(runner, list(prompt) + list(plain[:i]))
+    return {"position": i, "top2_gap": gap, "within_bound": gap <= bound}
+
+
+def verdict_of(divergences: Sequence[dict]) -> str:
+    """"pass" when every divergence is a near-tie within the rounding bound."""
+    return "pass" if all(d["within_bound"] for d in divergences) else "fail"
+
+
 def lossless_section(target, drafter, prompts: Sequence[list[int]], options: ReportOptions) -> dict:
     runner = target.runner
     settings = GenerationSettings(max_tokens=options.tokens)  # no stop tokens: fixed lengths
@@ -183,15 +200,13 @@ def lossless_section(target, drafter, prompts: Sequence[list[int]], options: Rep
     for n, (ids, plain, spec, stats) in enumerate(outputs):
         entry = {"prompt": n, "prompt_tokens": len(ids), "tokens": len(plain), "identical": spec == plain,
                  "acceptance_length": round(stats.acceptance_length, 3)}
-        if spec != plain:
-            i = next((j for j, (a, b) in enumerate(zip(spec, plain)) if a != b), min(len(spec), len(plain)))
-            gap = top2_gap(runner, ids + plain[:i]) if i < len(plain) else float("inf")
-            within = gap <= bound["bound"]
-            entry.update(position=i, top2_gap=gap, within_bound=within)
-            divergences.append({"prompt": n, "position": i, "top2_gap": gap, "within_bound": within})
+        found = divergence(runner, ids, plain, spec, bound["bound"])
+        if found is not None:
+            entry.update(found)
+            divergences.append({"prompt": n, **found})
         results.append(entry)
     identical = sum(r["identical"] for r in results)
-    verdict = "pass" if all(d["within_bound"] for d in divergences) else "fail"
+    verdict = verdict_of(divergences)
     return {
         "prompts": len(results),
         "tokens_per_prompt": options.tokens,
@@ -202,7 +217,8 @@ def lossless_section(target, drafter, prompts: Sequence[list[int]], options: Rep
         "per_prompt": results,
         "verdict": verdict,
         "rule": "a divergence passes only where the target's top-2 logit gap at that position is "
-                "within the rounding bound (CPU float32: ~1e-6, so output must be identical)",
+                "within the rounding bound (CPU float32: float32 rounding, about 1e-5, so output is identical "
+                "but for an exact tie)",
     }
 
 

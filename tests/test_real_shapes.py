@@ -232,3 +232,15 @@ def test_drafter_for_another_depth_is_refused(real_runner, drafter_raw):
     raw["num_target_layers"] = 48
     raw["dflash_config"]["target_layer_ids"] = [1, 12, 23, 34, 45]
     _refused(runner, raw, 48, 64)
+
+
+def test_the_presets_recorded_shapes_are_the_reference_configs():
+    """The memory pre-flight sizes a preset's caches from facts recorded in presets.py (nothing is
+    downloaded): they must be what the reference config.json files say."""
+    from dflash2_mlx import memory, presets
+
+    target = memory.TargetShape.from_config(json.loads(TARGET_CONFIG.read_text()))
+    drafter = memory.DrafterShape.from_config(json.loads(DRAFTER_CONFIG.read_text()))
+    for preset in presets.PRESETS.values():
+        assert preset.target_shape == target
+        assert preset.drafter_shape == drafter
