@@ -83,3 +83,54 @@ def test_block_attention_on_the_cpu_is_attention_over_the_concatenated_parts(wit
     want = mx.fast.scaled_dot_product_attention(q.transpose(1, 0, 2)[None], keys, values, scale=d**-0.5, mask=mask)
     want = want[0].transpose(1, 0, 2).reshape(length, hq * d)
     np.testing.assert_allclose(np.array(got), np.array(want), atol=2e-6)
+
+
+@pytest.mark.parametrize("with_context", [True, False])
+def test_the_gpu_attention_branch_equals_the_cpu_branch(with_context, monkeypatch):
+    """block_attention's GPU branch (MLX's fused attention over the concatenated parts), forced on
+    the CPU with DFLASH2_MLX_PATHS=gpu, agrees with the CPU branch (polynomial exp)."""
+    from dflash2_mlx import device
+
+    length, hq, hkv, d, c = 8, 8, 2, 32, 29
+    key = iter(mx.random.split(mx.random.key(9), 8))
+    q, k, v = (mx.random.normal(s, key=next(key)) for s in ((length, hq, d), (length, hkv, d), (length, hkv, d)))
+    ctx = (mx.random.normal((1, hkv, c, d), key=next(key)), mx.random.normal((1, hkv, c, d), key=next(key)),
+           mx.where(mx.random.uniform(shape=(1, c), key=next(key)) < 0.3, -mx.inf, 0.0))
+    block_bias = mx.array(np.where(np.arange(length)[None] <= np.arange(length)[:, None], 0.0, -np.inf).astype(np.float32))
+    context = ctx if with_context else None
+    assert cpu_attention.uses_fast_exp()
+    cpu = cpu_attention.block_attention(q, k, v, context, block_bias, d**-0.5)
+    monkeypatch.setenv(device.PATHS_ENV, "gpu")
+    assert not cpu_attention.uses_fast_exp()
+    gpu = cpu_attention.block_attention(q, k, v, context, block_bias, d**-0.5)
+    np.testing.assert_allclose(np.array(gpu), np.array(cpu), atol=2e-6)
+
+
+def test_on_the_gpu_paths_the_drafters_rope_tables_stay_float32(drafter_config, monkeypatch):
+    """On a GPU mx.fast.rope computes in float32 and rounds once: the drafter's table rows stay
+    float32 there, and a bf16 row rotated with them is float32 RoPE rounded to bf16, bit for bit.
+    On the CPU the rows take x's dtype, as mx.fast.rope's CPU fallback computes in it."""
+    from dflash2_mlx import device, rope
+    from dflash2_mlx.drafter_step import DraftStep
+
+    module = nn.RoPE(64, traditional=False, base=1e6)
+    table = rope.RopeTable(module, 64).covering(300)
+    start = mx.array([250], dtype=mx.int32)
+    x = mx.random.normal((8, 3, 64), key=mx.random.key(1)).astype(mx.bfloat16)  # [positions, heads, D]
+    cos, sin = DraftStep._rope_rows(table, start, 8, mx.bfloat16)
+    assert cos.dtype == mx.bfloat16
+    assert mx.array_equal(rope.apply(x, cos, sin), module(x.transpose(1, 0, 2), offset=250).transpose(1, 0, 2))
+    monkeypatch.setenv(device.PATHS_ENV, "gpu")
+    cos, sin = DraftStep._rope_rows(table, start, 8, mx.bfloat16)
+    assert cos.dtype == sin.dtype == mx.float32
+    got = rope.apply(x, cos, sin)
+    want = module(x.astype(mx.float32).transpose(1, 0, 2), offset=250).transpose(1, 0, 2).astype(mx.bfloat16)
+    assert got.dtype == mx.bfloat16 and mx.array_equal(got, want)
+    # and a bf16 drafter drafts what its training forward computes, within bf16 rounding
+    drafter = tiny.build_drafter(drafter_config)
+    drafter.set_dtype(mx.bfloat16)
+    features = mx.random.normal((1, 9, len(drafter_config.target_layer_ids) * drafter_config.hidden_size)).astype(mx.bfloat16)
+    blocks = mx.random.normal((1, 8, drafter_config.hidden_size)).astype(mx.bfloat16)
+    got = _draft(drafter, features, blocks)
+    want = drafter.train_forward(blocks, features, mx.array([9]))
+    np.testing.assert_allclose(np.array(got.astype(mx.float32)), np.array(want.astype(mx.float32)), atol=0.1, rtol=0.05)

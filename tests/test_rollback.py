@@ -258,3 +258,25 @@ def test_a_target_updated_in_place_is_seen_by_the_compiled_head(hybrid_target):
     finally:
         head.weight = weight
     np.testing.assert_allclose(np.array(after), 2 * np.array(before), rtol=1e-5, atol=1e-5)
+
+
+def test_on_the_gpu_paths_the_walked_target_is_mlx_lms_forward_bit_for_bit(hybrid_target, monkeypatch):
+    """With DFLASH2_MLX_PATHS=gpu the runner takes Metal's branches (mlx-lm's gated_delta_update
+    in the compiled layer, RoPE and the causal mask as mlx-lm calls them, weight views): prefill,
+    block-sized passes and one-row steps give mlx-lm's own logits exactly."""
+    from mlx_lm.models.cache import make_prompt_cache
+
+    from dflash2_mlx import device
+
+    monkeypatch.setenv(device.PATHS_ENV, "gpu")
+    _, model = hybrid_target
+    runner = TargetRunner(model)
+    assert not runner.block_weight_copies
+    tokens = mx.array([[3, 1, 4, 1, 5, 9, 2, 6, 5, 3, 5, 8, 9, 7, 9, 3, 2, 3, 8, 4, 6, 2, 6, 4, 3]])
+    ours, theirs = runner.make_cache(), make_prompt_cache(model)
+    for chunk in (tokens[:, :20], tokens[:, 20:21], tokens[:, 21:25], tokens[:, 25:]):
+        if chunk.shape[1] == 0:
+            continue
+        a, _ = runner(chunk, ours, record=[])
+        b = model(chunk, cache=theirs)
+        assert mx.array_equal(a, b)
