@@ -22,24 +22,17 @@ import json
 import platform
 import statistics
 import sys
-import time
 from pathlib import Path
 
 import mlx.core as mx
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from dflash2_mlx import kernels  # noqa: E402
+from dflash2_mlx.doctor_report import time_us  # noqa: E402
 
 
 def _time(fn, iters: int, warmup: int) -> dict:
-    for _ in range(warmup):
-        mx.eval(fn())
-    samples = []
-    for _ in range(iters):
-        t0 = time.perf_counter()
-        mx.eval(fn())
-        samples.append((time.perf_counter() - t0) * 1e6)
-    samples.sort()
+    samples = time_us(fn, iters, warmup)
     return {
         "median_us": statistics.median(samples),
         "p10_us": samples[max(0, int(0.1 * len(samples)) - 1)],

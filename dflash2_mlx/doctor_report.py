@@ -52,6 +52,7 @@ class ReportOptions:
     long: bool = False
     long_tokens: int = 8192
     probes: int = 4  # positions sampled for the rounding bound
+    repeats: int = 2  # speed rounds per mode (alternating order)
 
 
 def _version(package: str) -> str:
@@ -87,7 +88,8 @@ def system_section() -> dict:
     }
 
 
-def _median_us(fn: Callable, iters: int = 10, warmup: int = 2) -> float:
+def time_us(fn: Callable, iters: int = 10, warmup: int = 2) -> list[float]:
+    """Sorted wall times (microseconds) of ``mx.eval(fn())``, after ``warmup`` untimed calls."""
     for _ in range(warmup):
         mx.eval(fn())
     samples = []
@@ -95,7 +97,11 @@ def _median_us(fn: Callable, iters: int = 10, warmup: int = 2) -> float:
         t0 = time.perf_counter()
         mx.eval(fn())
         samples.append((time.perf_counter() - t0) * 1e6)
-    return statistics.median(samples)
+    return sorted(samples)
+
+
+def _median_us(fn: Callable) -> float:
+    return round(statistics.median(time_us(fn)), 1)
 
 
 def kernels_section(dtypes: Sequence[mx.Dtype]) -> dict:
@@ -106,10 +112,10 @@ def kernels_section(dtypes: Sequence[mx.Dtype]) -> dict:
     timings = {}
     for name in kernels.KERNEL_NAMES:
         args = kernels.check_args(name, mx.float32)
-        entry = {"reference_us": round(_median_us(lambda: kernels.REFERENCES[name](*args)), 1), "metal_us": None}
+        entry = {"reference_us": _median_us(lambda: kernels.REFERENCES[name](*args)), "metal_us": None}
         if metal and active[name].startswith("metal"):
             plan = kernels.PLANNERS[name](*args)
-            entry["metal_us"] = round(_median_us(lambda: plan.finish(kernels._run_metal(plan))), 1)
+            entry["metal_us"] = _median_us(lambda: plan.finish(kernels._run_metal(plan)))
         timings[name] = entry
     return {
         "metal_available": bool(metal),
@@ -230,33 +236,41 @@ def _run(runner, drafter, ids, tokens: int, block: Optional[int], plain: bool) -
     settings = GenerationSettings(max_tokens=tokens, block_size=block)
     events = generate_autoregressive(runner, ids, settings) if plain else generate_speculative(runner, drafter, ids, settings)
     out, stats = _tokens(events)
-    return {"generated": len(out), "decode_tps": round(stats.decode_tps, 2),
+    return {"generated": len(out), "decode_tps": stats.decode_tps,
             "acceptance_length": round(stats.acceptance_length, 3) if not plain else 1.0}
+
+
+def _median_run(samples: list[dict]) -> dict:
+    return {**samples[0], "decode_tps": round(statistics.median(s["decode_tps"] for s in samples), 2),
+            "decode_tps_samples": [round(s["decode_tps"], 2) for s in samples]}
 
 
 def speed_section(target, drafter, prompt: list[int], options: ReportOptions) -> dict:
     """Plain, fixed block and the engine's default block setting, interleaved in one run (so
-    their ratios are same-run ratios), at ``speed_tokens`` and with ``long`` at ``long_tokens``
-    generated tokens (capped by the model's context)."""
+    their ratios are same-run ratios; ``options.repeats`` rounds in alternating order, medians),
+    at ``speed_tokens`` and with ``long`` at ``long_tokens`` generated tokens (capped by the
+    model's context)."""
     runner = target.runner
     fixed = drafter.config.block_size
+    modes = {"plain": (None, True), f"block_{fixed}": (fixed, False), "auto": (None, False)}
     lengths = [options.speed_tokens] + ([options.long_tokens] if options.long else [])
-    _run(runner, drafter, prompt, 16, fixed, plain=False)  # warm-up: compiles every trace
-    _run(runner, drafter, prompt, 16, None, plain=True)
+    for block, plain in modes.values():  # warm-up: compiles every trace
+        _run(runner, drafter, prompt, 32, block, plain)
     runs = []
     for n in lengths:
         limit = (runner.max_context or n + len(prompt) + 1) - len(prompt) - 1
         tokens = min(n, limit)
-        plain = _run(runner, drafter, prompt, tokens, None, plain=True)
-        block = _run(runner, drafter, prompt, tokens, fixed, plain=False)
-        auto = _run(runner, drafter, prompt, tokens, None, plain=False)
-        runs.append({
-            "requested_tokens": n, "generated_tokens": tokens, "capped_by_context": tokens < n,
-            "plain": plain, f"block_{fixed}": block, "auto": auto,
-            "speedup_block": round(block["decode_tps"] / plain["decode_tps"], 3) if plain["decode_tps"] else None,
-            "speedup_auto": round(auto["decode_tps"] / plain["decode_tps"], 3) if plain["decode_tps"] else None,
-        })
-    return {"fixed_block": fixed,
+        samples: dict = {name: [] for name in modes}
+        for r in range(options.repeats):
+            for name in (list(modes) if r % 2 == 0 else reversed(list(modes))):
+                samples[name].append(_run(runner, drafter, prompt, tokens, *modes[name]))
+        entry = {"requested_tokens": n, "generated_tokens": tokens, "capped_by_context": tokens < n}
+        entry.update({name: _median_run(s) for name, s in samples.items()})
+        base = entry["plain"]["decode_tps"]
+        entry["speedup_block"] = round(entry[f"block_{fixed}"]["decode_tps"] / base, 3) if base else None
+        entry["speedup_auto"] = round(entry["auto"]["decode_tps"] / base, 3) if base else None
+        runs.append(entry)
+    return {"fixed_block": fixed, "repeats": options.repeats,
             "auto": "the engine's default block setting (--block-size not given); a block-size "
                     "controller, when the engine has one, is what this measures",
             "runs": runs}

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import json
 import os
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Optional
 
@@ -127,7 +127,6 @@ class MemoryPlan:
     gdn_states: int
     verify_states: int
     drafter_context: int
-    parts: dict = field(default_factory=dict)
 
     @property
     def total(self) -> int:
@@ -140,8 +139,7 @@ class MemoryPlan:
         return int(self.total * HEADROOM)
 
     def as_dict(self) -> dict:
-        return {**{k: v for k, v in asdict(self).items() if k != "parts"},
-                "total": self.total, "needed_with_headroom": self.needed}
+        return {**asdict(self), "total": self.total, "needed_with_headroom": self.needed}
 
 
 def plan(target: TargetShape, target_weights: int, drafter: Optional[DrafterShape], drafter_weights: int,

@@ -162,7 +162,7 @@ def test_speculative_greedy_equals_plain_greedy_with_each_rollback_path(path, hy
     assert TargetRunner(hybrid_target[1]).rollback_path() == path.split("-")[0]
     rng = random.Random(31)
     seen = defaultdict(set)
-    for kind, prompt in _random_prompts(4242, 16):  # noqa: B007
+    for kind, prompt in _random_prompts(4242, 16):
         _case(rng, targets[kind], prompt, plain_greedy(targets[kind], prompt, MAX_TOKENS), seen)
     for block in range(2, 17):  # asserts that every accepted count 0..B-1 occurred
         _forced_accepted_counts(hybrid_target, block, plain_greedy)

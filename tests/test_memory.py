@@ -22,9 +22,8 @@ PRESET = presets.get_preset("qwen3.8-27b")
 
 @pytest.mark.parametrize("command", [
     ["generate", "--prompt", "hi", "--preset", "qwen3.8-27b"],
-    ["download", "--preset", "qwen3.8-27b"],
     ["serve", "--port", "0", "--model", PRESET.target, "--draft-model", PRESET.drafter],
-], ids=["generate", "download", "serve"])
+], ids=["generate", "serve"])
 def test_the_27b_preset_is_refused_in_one_line_with_8_gb_before_any_download(command, tmp_path):
     """Offline, with an empty Hugging Face cache: had a download been attempted, the error would
     be the offline-mode one; the memory line comes first."""
@@ -37,6 +36,20 @@ def test_the_27b_preset_is_refused_in_one_line_with_8_gb_before_any_download(com
     assert line.startswith("error: ") and " needs about " in line and "this machine has 8.0 GB (DFLASH2_MLX_MEMORY_GB)" in line
     assert "smaller quantization" in line and "--max-context" in line
     assert "offline" not in line and not (tmp_path / "hf" / "hub").exists()
+
+
+def test_download_refuses_the_preset_before_fetching_anything(monkeypatch):
+    from typer.testing import CliRunner
+
+    from dflash2_mlx.cli.app import app
+    from dflash2_mlx import loading
+
+    calls = []
+    monkeypatch.setattr(loading, "_download", lambda *a: calls.append(a))
+    monkeypatch.setenv(memory.MEMORY_ENV, "8")
+    result = CliRunner().invoke(app, ["download", "--preset", "qwen3.8-27b"])
+    assert result.exit_code != 0 and calls == []
+    assert "needs about" in str(result.exception) and "has 8.0 GB" in str(result.exception)
 
 
 def test_load_pair_refuses_before_calling_the_hub(monkeypatch):
