@@ -281,19 +281,25 @@ def preflight(target: str, drafter: Optional[str], context: Optional[int] = None
         label = label or "this model pair"
     limit = target_shape.max_context or DEFAULT_CONTEXT
     ctx = min(context or DEFAULT_CONTEXT, limit)
-    needed = plan(target_shape, target_weights, drafter_shape, drafter_weights, ctx, keeps_verify_states())
+    needed = plan(target_shape, target_weights, drafter_shape, drafter_weights, ctx, keeps_verify_states(target_shape))
     has, source = available_bytes()
     check_fits(needed, has, source, label)
     return needed
 
 
-def keeps_verify_states() -> bool:
-    """Whether verify passes keep per-step states here (the CPU's auto path, or forced)."""
+def keeps_verify_states(target: TargetShape) -> bool:
+    """Whether verify passes keep per-step states here: forced by DFLASH2_MLX_ROLLBACK=keep, or
+    (auto) where the recurrence runs as ops (no Metal GPU) and a layer's states fit the bound
+    (the rule of ``target._keeps_step_states``)."""
     from . import device
     from .caches import rollback_setting
+    from .target import MAX_KEPT_STATE_BYTES
 
     setting = rollback_setting()
-    return setting == "keep" or (setting == "auto" and not device.metal_gpu())
+    if setting != "auto":
+        return setting == "keep"
+    per_layer = target.kept_verify_bytes() // max(1, target.gdn_layers)
+    return not device.metal_gpu() and not device.forced_gpu_paths() and per_layer <= MAX_KEPT_STATE_BYTES
 
 
 def _sizes(spec: str, what: str) -> Optional[tuple[dict, int]]:

@@ -118,3 +118,17 @@ def test_a_bad_memory_override_is_a_one_line_error(value, message, embedded_pair
 
 def test_the_wired_limit_is_left_alone_without_a_metal_gpu():
     assert memory.set_wired_limit(10**9) is None and memory.wired_limit() is None
+
+
+def test_the_estimate_counts_kept_verify_states_only_where_rollback_keeps_them(monkeypatch):
+    from dflash2_mlx import caches, device
+
+    shape = presets.QWEN38_27B_SHAPE
+    monkeypatch.setenv(caches.ROLLBACK_ENV, "replay")
+    assert not memory.keeps_verify_states(shape)
+    monkeypatch.setenv(caches.ROLLBACK_ENV, "keep")
+    assert memory.keeps_verify_states(shape)
+    monkeypatch.setenv(caches.ROLLBACK_ENV, "auto")
+    assert memory.keeps_verify_states(shape)  # the CPU: 48 MiB per layer, within the bound
+    monkeypatch.setenv(device.PATHS_ENV, "gpu")
+    assert not memory.keeps_verify_states(shape)  # the GPU paths replay
