@@ -31,7 +31,7 @@ def serve_command(
 ) -> None:
     """Serve the model over HTTP: OpenAI (/v1/chat/completions, /v1/completions, /v1/models) and
     Anthropic (/v1/messages) APIs, plus /health and /metrics."""
-    from .common import choose_models, fail
+    from .common import choose_models, fail, warn_if_reference_blas
 
     for name, value, low in (("--max-queue", max_queue, 1), ("--default-max-tokens", default_max_tokens, 1),
                              ("--max-context", max_context, 2)):
@@ -51,6 +51,7 @@ def serve_command(
     origins = [o.strip() for item in allowed_origins for o in item.split(",") if o.strip()]
     choice = choose_models(model, draft_model, None, need_draft=not no_draft)
     _check_local_paths(choice)
+    warn_if_reference_blas()
 
     try:
         import uvicorn
