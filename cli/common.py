@@ -134,7 +134,17 @@ def load_models(choice: ModelChoice, block_size: Optional[int] = None, quiet: bo
     if drafter is not None and block_size is not None and not 1 < block_size <= drafter.config.block_size:
         fail(f"--block-size must be in 2..{drafter.config.block_size} for this drafter, got {block_size}")
     freeze_loaded_objects()
+    warn_if_reference_blas()
     return target, drafter
+
+
+def warn_if_reference_blas() -> None:
+    """One line on stderr when the CPU matmuls have no optimised BLAS (see dflash2_mlx.blas)."""
+    from dflash2_mlx import blas
+
+    warning = blas.reference_blas_warning()
+    if warning is not None:
+        typer.echo(warning, err=True)
 
 
 class _null:

@@ -31,7 +31,7 @@ def serve_command(
 ) -> None:
     """Serve the model over HTTP: OpenAI (/v1/chat/completions, /v1/completions, /v1/models) and
     Anthropic (/v1/messages) APIs, plus /health and /metrics."""
-    from .common import choose_models, fail
+    from .common import choose_models, fail, warn_if_reference_blas
 
     for name, value, low in (("--max-queue", max_queue, 1), ("--default-max-tokens", default_max_tokens, 1),
                              ("--max-context", max_context, 2)):
@@ -57,6 +57,7 @@ def serve_command(
         memory.preflight(choice.target, choice.drafter, max_context, label=choice.label)
     except (memory.DoesNotFit, ValueError) as e:
         fail(str(e))
+    warn_if_reference_blas()
 
     try:
         import uvicorn

@@ -36,6 +36,16 @@ def server(embedded_pair, tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
+def end_bias(embedded_pair):
+    """logit_bias banning the embedded target's end tokens: a completion then runs to its token
+    limit or the context whatever the weights predict (the pair may be retrained, and another BLAS
+    rounds differently), so tests that need a generation still running get one."""
+    from dflash2_mlx.loading import load_target
+
+    return {str(t): -100 for t in load_target(str(embedded_pair[0])).tokenizer.eos_token_ids}
+
+
+@pytest.fixture(scope="module")
 def client(server):
     return openai.OpenAI(base_url=server.base + "/v1", api_key=KEY, max_retries=0, timeout=60)
 
@@ -279,12 +289,20 @@ def test_bad_inputs_get_4xx_and_the_server_keeps_serving(server):
     assert httpx.get(server.base + "/health").status_code == 200
 
 
-def test_queue_full_429_and_disconnect_cancels(server):
-    # Code continuation runs to max_tokens (a chat answer may end early with <|im_end|>).
-    body = {"model": "target", "prompt": "class Parser:\n    def __init__(self", "max_tokens": 400, "stream": True}
+def test_queue_full_429_and_disconnect_cancels(server, end_bias):
+    # With its end tokens banned, a completion runs until it is cancelled (or reaches the context).
+    body = {"model": "target", "prompt": "class Parser:\n    def __init__(self", "max_tokens": 100000,
+            "stream": True, "logit_bias": end_bias}
     before = labelled(server.base, "dflash2_mlx_generations_total").get('{finish_reason="cancelled"}', 0)
-    # A client that disconnects mid-stream cancels its generation within a cycle.
-    with httpx.Client(base_url=server.base, timeout=30) as h:
+    statuses, together = [], threading.Barrier(6)
+
+    def one(h):
+        together.wait(30)  # all six at once, from one client whose connections are already open
+        r = h.post("/v1/completions", headers=auth(), json={**body, "stream": False, "max_tokens": 4})
+        statuses.append((r.status_code, r.headers.get("retry-after"), r.json()))
+
+    pool = ThreadPoolExecutor(6)
+    with httpx.Client(base_url=server.base, timeout=60, limits=httpx.Limits(max_connections=8)) as h:
         with h.stream("POST", "/v1/completions", headers=auth(), json=body) as r:
             assert r.status_code == 200
             n = 0
@@ -292,22 +310,22 @@ def test_queue_full_429_and_disconnect_cancels(server):
                 n += line.startswith("data:")
                 if n >= 3:
                     break
+            # While it runs, 6 more requests: --max-queue 2 wait, the other 4 get 429 + Retry-After.
+            futures = [pool.submit(one, h) for _ in range(6)]
+            deadline = time.monotonic() + 30
+            while len(statuses) < 4:
+                assert time.monotonic() < deadline, statuses
+                time.sleep(0.02)
+        # A client that disconnects mid-stream cancels its generation within a cycle; the two
+        # waiting requests then run.
+        for f in futures:
+            f.result(60)
+    pool.shutdown()
     deadline = time.monotonic() + 10
     while labelled(server.base, "dflash2_mlx_generations_total").get('{finish_reason="cancelled"}', 0) <= before:
         assert time.monotonic() < deadline, "the disconnected request was not cancelled"
         time.sleep(0.05)
-    # 6 concurrent requests, one running and --max-queue 2 waiting: the rest get 429 + Retry-After.
-    statuses = []
-
-    def one(_):
-        r = httpx.post(server.base + "/v1/completions", headers=auth(), timeout=60,
-                       json={**body, "stream": False, "max_tokens": 60})
-        statuses.append((r.status_code, r.headers.get("retry-after"), r.json()))
-
-    with ThreadPoolExecutor(6) as pool:
-        list(pool.map(one, range(6)))
-    codes = sorted(s for s, _, _ in statuses)
-    assert 200 in codes and 429 in codes, codes
+    assert sorted(s for s, _, _ in statuses) == [200, 200, 429, 429, 429, 429], statuses
     for status, retry, body_ in statuses:
         if status == 429:
             assert retry and body_["error"]["code"] == "queue_full"
@@ -319,14 +337,14 @@ def test_queue_full_429_and_disconnect_cancels(server):
         assert name in text
 
 
-def test_sigterm_during_a_stream_ends_it_cleanly(server):
+def test_sigterm_during_a_stream_ends_it_cleanly(server, end_bias):
     """Last test on the shared server process: it stops it."""
     lines, done = [], threading.Event()
 
     def reader():
         with httpx.stream("POST", server.base + "/v1/completions", timeout=60, headers=auth(),
                           json={"model": "target", "prompt": "class Parser:\n    def __init__(self",
-                                "max_tokens": 100000, "stream": True}) as r:
+                                "max_tokens": 100000, "stream": True, "logit_bias": end_bias}) as r:
             for line in r.iter_lines():
                 lines.append(line)
         done.set()
@@ -568,7 +586,7 @@ def test_loading_503_timeouts_and_internal_errors(tiny_checkpoints, monkeypatch)
     from dflash2_mlx.loading import load_target
     from dflash2_mlx.server import ServerConfig, create_app
     from dflash2_mlx.server import params as params_module
-    from dflash2_mlx.server.worker import Worker
+    from dflash2_mlx.server.worker import Job, Worker
 
     target = tiny_checkpoints[0]
     gate = threading.Event()
@@ -582,10 +600,22 @@ def test_loading_503_timeouts_and_internal_errors(tiny_checkpoints, monkeypatch)
         assert r.status_code == 503 and r.json()["error"]["code"] == "model_loading" and r.headers["retry-after"]
         gate.set()
         assert worker.ready.wait(60)
-        t0 = time.monotonic()
-        r = c.post("/v1/chat/completions", json=body)
+        # The timeout, not an end token or the context, must end this answer, on any machine: ban
+        # the end tokens and pace the decode to one event (one token: no drafter) per 50 ms.
+        end_bias = {str(t): -100 for t in worker.tokenizer.eos_token_ids}
+        emit = Job.emit
+
+        def paced_emit(job, kind, payload=None):
+            if kind == "event":
+                time.sleep(0.05)
+            emit(job, kind, payload)
+
+        with monkeypatch.context() as m:
+            m.setattr(Job, "emit", paced_emit)
+            t0 = time.monotonic()
+            r = c.post("/v1/chat/completions", json={**body, "logit_bias": end_bias})
         assert r.status_code == 200 and r.json()["choices"][0]["finish_reason"] == "length"
-        assert 0 < r.json()["usage"]["completion_tokens"] < 4000 and time.monotonic() - t0 < 10
+        assert 0 < r.json()["usage"]["completion_tokens"] <= 1.0 / 0.05 + 2 and time.monotonic() - t0 < 10
         # the worker busy for 2.5 s: a second request times out in the queue
         real_serve = worker._serve
 
