@@ -256,7 +256,7 @@ class ScheduledBlocks:
         return {"policy": "schedule", **self.tally.as_dict(), "last_switch": None}
 
 
-def calibration_schedule(max_block: int, rounds: int = 2, run: int = 4) -> list[int]:
+def calibration_schedule(max_block: int, rounds: int = 3, run: int = 6) -> list[int]:
     """Rounds of runs of ``run`` cycles of each measured size (1, 2..max_block; past 8 every
     fourth): a run's first and last cycles share their time with the neighbouring run's (it was
     launched ahead, or launches the next), so only the ones between are timed; the rounds

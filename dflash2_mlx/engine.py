@@ -508,7 +508,7 @@ def generate_speculative(
         # whole next cycle goes; after a block, its draft (the context cache takes this pass's
         # rows tentatively, keeping accepted + 1 of them).
         launching = time.perf_counter()
-        if not prof and settings.max_tokens - (len(out.tokens) + bs) + 1 >= planned:
+        if not prof and settings.max_tokens - (len(out.tokens) + bs) >= max(planned - 1, 1):
             if bs == 1:
                 drafted = draft_block(bonus_arr, planned)
                 verified = verify_block(bonus_arr, drafted, history(bonus_arr))
