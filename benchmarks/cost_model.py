@@ -1,6 +1,7 @@
 """Cost model at the real widths: what a DFlash 2 cycle costs relative to one target pass.
 
     python benchmarks/cost_model.py [--dtype bfloat16|float32] [--bits 4] [--context 256] [--json out.json]
+    python benchmarks/cost_model.py --choice-only    # the controller's PREDICTED block size on a Mac
 
 Random weights, reduced depth, real widths: a Qwen3.8-27B-shaped target with 2 Gated DeltaNet and
 2 gated attention layers (hidden 5120, MLP 17408, vocabulary 248320, the real head counts) and a
@@ -236,6 +237,60 @@ def predict(m: dict) -> dict:
             "published_acceptance_length": PUBLISHED_ACCEPTANCE, "predictions": out}
 
 
+MAC_VERIFY_16_ROWS = 1.2  # a 16-row verify of the 4-bit 27B target, in plain steps (1.1-1.3 reported)
+REAL_BLOCK = 8  # the real drafter's block size
+
+
+def mac_draft_ms() -> float:
+    """The drafter's part of a cycle on an M5 Max: bytes read / bandwidth at the AR anchor's efficiency."""
+    ar_ms = 1000 / M5_MAX_AR_TPS
+    efficiency = (15e9 / M5_MAX_BANDWIDTH * 1000) / ar_ms
+    drafter_bytes = 1.92e9 * 1.0 + 248320 * 5120 * 0.5625  # 8-bit drafter + the 4-bit target head it uses
+    return drafter_bytes / M5_MAX_BANDWIDTH * 1000 / efficiency
+
+
+def controller_choices(verify_relative: dict | None = None) -> list[dict]:
+    """PREDICTION, not a measurement: the block size ``controller.BreakEvenController`` would pick
+    for a 4-bit Qwen3.8-27B target on an M5 Max, fed the cost model's cycle times instead of timed
+    ones, at several acceptance levels (a constant conditional acceptance per draft position that
+    gives that acceptance length at the real block size). ``verify_relative``: B-row verify / one
+    row (default: bandwidth-bound, growing linearly to MAC_VERIFY_16_ROWS at 16 rows)."""
+    from dflash2_mlx.controller import PLAIN, BreakEvenController, PairProfile, expected_tokens
+
+    ar_ms, draft_ms = 1000 / M5_MAX_AR_TPS, mac_draft_ms()
+
+    def factor(b: int) -> float:
+        if verify_relative is None:
+            return 1 + (b - 1) * (MAC_VERIFY_16_ROWS - 1) / 15
+        sizes = sorted(verify_relative)
+        lo = max(s for s in sizes if s <= b)
+        hi = min(s for s in sizes if s >= b)
+        return verify_relative[lo] if lo == hi else verify_relative[lo] + (verify_relative[hi] - verify_relative[lo]) * (b - lo) / (hi - lo)
+
+    cycle_ms = {b: ar_ms * factor(b) + draft_ms + 0.3 for b in range(2, REAL_BLOCK + 1)}  # + one host sync
+    rows = []
+    for acceptance in (PUBLISHED_ACCEPTANCE, 3.5, 2.5, 2.0, 1.6, 1.35):
+        lo, hi = 0.0, 1.0  # the conditional rate c with E(REAL_BLOCK) = acceptance
+        for _ in range(60):
+            mid = (lo + hi) / 2
+            lo, hi = (mid, hi) if expected_tokens([mid] * (REAL_BLOCK - 1), REAL_BLOCK) < acceptance else (lo, mid)
+        rate = lo
+        profile = PairProfile(REAL_BLOCK - 1)
+        costs = profile.cost_table(greedy=True)
+        costs.observe(PLAIN, 256, ar_ms / 1000)
+        for b, ms in cycle_ms.items():
+            costs.observe(b, 256, ms / 1000)
+        history = profile.acceptance(0.0)
+        history.tested, history.accepted = [100.0] * (REAL_BLOCK - 1), [100.0 * rate] * (REAL_BLOCK - 1)
+        choice = BreakEvenController(profile, REAL_BLOCK, greedy=True, temperature=0.0).choose(256)
+        speedups = {b: expected_tokens([rate] * (REAL_BLOCK - 1), b) * ar_ms / ms for b, ms in cycle_ms.items()}
+        rows.append({"acceptance_length_at_block_8": acceptance, "conditional_rate": rate,
+                     "controller_choice": "plain" if choice == PLAIN else choice,
+                     "predicted_speedup_by_block": speedups,
+                     "predicted_speedup_of_choice": 1.0 if choice == PLAIN else speedups[choice]})
+    return rows
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
@@ -243,10 +298,22 @@ def main(argv=None) -> int:
     ap.add_argument("--context", type=int, default=256)
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--json", type=Path, default=None)
+    ap.add_argument("--choice-only", action="store_true",
+                    help="only the PREDICTED controller choice at Mac widths (bandwidth model; no CPU measurement)")
     args = ap.parse_args(argv)
+    if args.choice_only:
+        report = {"prediction": "block size the break-even controller would choose, from the cost model "
+                                "(not measured on a Mac)", "m5_max_ar_ms": 1000 / M5_MAX_AR_TPS,
+                  "m5_max_draft_ms": mac_draft_ms(), "choices": controller_choices()}
+        print(json.dumps(report, indent=1))
+        if args.json:
+            args.json.write_text(json.dumps(report, indent=1) + "\n")
+        return 0
     runner, drafter = build(getattr(mx, args.dtype), args.bits)
     m = measure(runner, drafter, args.context, args.repeats)
     p = predict(m)
+    p["predicted_controller_choices"] = {"bandwidth-bound verify": controller_choices(),
+                                         "this CPU's measured verify factors": controller_choices(m["verify_relative"])}
     report = {"settings": {"dtype": args.dtype, "bits": args.bits, "context": args.context}, "measured": m, "model": p}
     print(json.dumps(report, indent=1))
     if args.json:

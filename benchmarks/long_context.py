@@ -38,7 +38,8 @@ def held_out_tokens(tokenizer, count: int) -> list[int]:
 def measure(target, drafter, prompt: list[int], max_tokens: int) -> dict:
     from dflash2_mlx.engine import GenerationSettings, collect, generate_autoregressive, generate_speculative
 
-    settings = GenerationSettings(max_tokens=max_tokens)  # no stop tokens: every run is max_tokens long
+    # no stop tokens: every run is max_tokens long; the fixed loop (cycle time = decode time / cycles)
+    settings = GenerationSettings(max_tokens=max_tokens, block_size=drafter.config.block_size)
 
     def last(events):
         return collect(events)[1]

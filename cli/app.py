@@ -26,7 +26,7 @@ def _root() -> None:
 
 
 from .common import UserError  # noqa: E402  (re-exported: commands raise it, main() prints it)
-from .common import draft_option, model_option, preset_option  # noqa: E402
+from .common import block_size_option, draft_option, model_option, preset_option  # noqa: E402
 
 
 @app.command()
@@ -41,7 +41,7 @@ def generate(
     top_k: int = typer.Option(0, "--top-k", help="Sample among the k most likely tokens; 0 disables."),
     min_p: float = typer.Option(0.0, "--min-p", help="Drop tokens below min_p times the top probability."),
     seed: Optional[int] = typer.Option(None, "--seed", help="Random seed (sampling and the selector's draws)."),
-    block_size: Optional[int] = typer.Option(None, "--block-size", help="Tokens per verify block, 2..the drafter's block size."),
+    block_size: str = block_size_option(),
     stop: List[str] = typer.Option([], "--stop", help="Stop string (repeatable); the text stops before it."),
     no_draft: bool = typer.Option(False, "--no-draft", help="Plain autoregressive decoding with the same target."),
     ignore_chat_template: bool = typer.Option(False, "--ignore-chat-template", help="Feed the prompt text as is."),
@@ -56,11 +56,12 @@ def generate(
     from dflash2_mlx.engine import GenerationSettings, generate_autoregressive, generate_speculative
     from dflash2_mlx.text import encode_prompt
 
-    from .common import check_positive, choose_models, load_models, sampling_settings
+    from .common import check_positive, choose_models, controller_line, load_models, parse_block_size, sampling_settings
 
     check_positive("--max-tokens", max_tokens)
     sampling = sampling_settings(temp, top_p, top_k, min_p)
     choice = choose_models(model, draft_model, preset, need_draft=not no_draft)
+    block_size = parse_block_size(block_size)
     target, drafter = load_models(choice, None if no_draft else block_size, quiet=True)
     tokenizer = target.tokenizer
     ids = encode_prompt(tokenizer, prompt, use_chat_template=not ignore_chat_template, system=system)
@@ -94,7 +95,8 @@ def generate(
         print(json.dumps(out))
         return
     print()
-    mode = "autoregressive" if no_draft else f"acceptance length {stats.acceptance_length:.2f} over {stats.verify_steps} cycles"
+    mode = "autoregressive" if no_draft else (f"acceptance length {stats.acceptance_length:.2f} over {stats.verify_steps} cycles; "
+                                              + controller_line(stats))
     typer.echo(
         f"{stats.prompt_tokens} prompt tokens at {stats.prefill_tps:.1f} tok/s; "
         f"{stats.generation_tokens} tokens at {stats.decode_tps:.1f} tok/s; {mode}; "

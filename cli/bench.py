@@ -9,6 +9,7 @@ from typing import Optional
 import typer
 
 from .common import (
+    block_size_option,
     check_positive,
     choose_models,
     draft_option,
@@ -17,6 +18,7 @@ from .common import (
     fail,
     load_models,
     model_option,
+    parse_block_size,
     preset_option,
     sampling_settings,
 )
@@ -32,7 +34,7 @@ def bench_command(
         "own prompts when running the embedded pair)."),
     max_tokens: int = typer.Option(256, "--max-tokens", help="Tokens generated per prompt and mode."),
     temp: float = typer.Option(0.0, "--temp", help="Sampling temperature; 0 is greedy (then `identical` is checked)."),
-    block_size: Optional[int] = typer.Option(None, "--block-size", help="Tokens per verify block, 2..the drafter's block size."),
+    block_size: str = block_size_option(),
     seed: Optional[int] = typer.Option(None, "--seed", help="Random seed, set before each run."),
     limit: Optional[int] = typer.Option(None, "--limit", help="Only the first N prompts."),
     as_json: bool = typer.Option(False, "--json", help='Print one JSON object {"mean": {...}, "prompts": [...]} on stdout.'),
@@ -74,6 +76,7 @@ def bench_command(
         fail(str(e))
     if limit is not None:
         lines = lines[:limit]
+    block_size = parse_block_size(block_size)
     target, drafter = load_models(choice, block_size)
     tokenizer = target.tokenizer
     settings = GenerationSettings(max_tokens=max_tokens, sampling=sampling, seed=seed, block_size=block_size,
@@ -104,7 +107,7 @@ def bench_command(
             err.print(f"plot saved to {plot}", highlight=False)
         return
     out = Console()
-    out.print(_table(result, choice.label, max_tokens, temp, settings.block_size or drafter.config.block_size))
+    out.print(_table(result, choice.label, max_tokens, temp, settings.block_size or "auto"))
     out.print(_position_bars(result.acceptance_by_position))
     if profiled is not None:
         out.print(_profile_table(profiled))
@@ -115,7 +118,7 @@ def bench_command(
                   "(expected only for bf16/quantized models on Apple GPUs, at near-ties)[/yellow]")
 
 
-def _table(result, label: str, max_tokens: int, temp: float, block_size: int):
+def _table(result, label: str, max_tokens: int, temp: float, block_size):
     from rich.table import Table
 
     table = Table(title=f"DFlash 2 vs autoregressive: {label}, {max_tokens} tokens, T={temp:g}, block {block_size}",
@@ -128,16 +131,26 @@ def _table(result, label: str, max_tokens: int, temp: float, block_size: int):
     table.add_column("AR tok/s", justify="right")
     table.add_column("speedup", justify="right")
     table.add_column("same", justify="center")
+    table.add_column("speculative / plain / probe tokens, blocks", overflow="ellipsis", no_wrap=True, max_width=40)
     for i, (r, d) in enumerate(zip(result.contract["prompts"], result.details)):
         same = {True: "[green]yes[/green]", False: f"[red]no @{d['first_difference']}[/red]", None: "–"}[r["identical"]]
         table.add_row(str(i + 1), d["prompt"], str(d["generation_tokens"]), f"{r['acceptance_length']:.2f}",
-                      f"{r['spec_decode_tps']:.1f}", f"{r['ar_decode_tps']:.1f}", _x(r["speedup"]), same)
+                      f"{r['spec_decode_tps']:.1f}", f"{r['ar_decode_tps']:.1f}", _x(r["speedup"]), same,
+                      _modes(r["controller"]))
     m = result.contract["mean"]
     table.add_section()
     table.add_row("", "[bold]mean[/bold]", "", f"[bold]{m['acceptance_length']:.2f}[/bold]",
                   f"[bold]{m['spec_decode_tps']:.1f}[/bold]", f"[bold]{m['ar_decode_tps']:.1f}[/bold]",
-                  f"[bold]{_x(m['speedup'])}[/bold]", "")
+                  f"[bold]{_x(m['speedup'])}[/bold]", "", _modes(m["controller"]))
     return table
+
+
+def _modes(controller: Optional[dict]) -> str:
+    if not controller:
+        return ""
+    share = controller["share_by_mode"]
+    sizes = " ".join(f"{b}:{n}" for b, n in controller["block_sizes"].items())
+    return f"{100 * share['speculative']:.0f}/{100 * share['plain']:.0f}/{100 * share['probe']:.0f}%  {sizes}"
 
 
 def _profile_table(profiled: dict):

@@ -18,8 +18,10 @@ from typing import Optional
 import typer
 
 from .common import (
+    block_size_option,
     chat_sampling,
     check_positive,
+    controller_line,
     choose_models,
     draft_option,
     encode_messages,
@@ -27,6 +29,7 @@ from .common import (
     fmt_seconds,
     load_models,
     message_boundaries,
+    parse_block_size,
     model_option,
     preset_option,
     printable,
@@ -192,6 +195,7 @@ class Turn:
     cycle_tokens: int
     ttft: Optional[float]
     finish_reason: str
+    controller: str = ""  # what the block-size policy did (common.controller_line)
 
     @property
     def prefilled(self) -> int:
@@ -203,6 +207,8 @@ class Turn:
             parts.append(f"acceptance {self.acceptance_length:.2f}")
         parts.append(f"first token {fmt_seconds(self.ttft)}" if self.ttft is not None else "no token")
         parts.append(f"prompt {self.prompt_tokens} ({self.prefilled} prefilled, {self.cached_tokens} cached)")
+        if self.controller:
+            parts.append(self.controller)
         return " · ".join(parts)
 
 
@@ -302,6 +308,7 @@ class ChatSession:
             cycle_tokens=getattr(stats, "cycle_tokens", 0) if stats else 0,
             ttft=ttft,
             finish_reason=(stats.finish_reason if stats else "cancelled") or "",
+            controller=controller_line(stats) if stats else "",
         )
         self.turns.append(turn)
         self.console.print(turn.line(), style="dim", markup=False, highlight=False)
@@ -505,7 +512,7 @@ def chat_command(
     top_k: Optional[int] = typer.Option(None, "--top-k", help="Sample among the k most likely tokens; 0 disables. Default: generation_config.json, else 0."),
     min_p: Optional[float] = typer.Option(None, "--min-p", help="Drop tokens below min_p times the top probability. Default: generation_config.json, else 0."),
     seed: Optional[int] = typer.Option(None, "--seed", help="Random seed for sampling."),
-    block_size: Optional[int] = typer.Option(None, "--block-size", help="Tokens per verify block, 2..the drafter's block size."),
+    block_size: str = block_size_option(),
     no_draft: bool = typer.Option(False, "--no-draft", help="Plain autoregressive decoding (no drafter), for comparison."),
     thinking: Optional[bool] = typer.Option(None, "--thinking/--no-thinking", help="Turn the model's reasoning on or off (chat template enable_thinking). Default: the template's."),
     show_thinking: bool = typer.Option(False, "--show-thinking", help="Print reasoning in full (dimmed) instead of collapsing it to one line."),
@@ -534,6 +541,7 @@ def chat_command(
     if no_draft and draft_model is not None:
         fail("--no-draft and --draft-model contradict each other: pick one")
     choice = choose_models(model, draft_model, preset, need_draft=not no_draft)
+    block_size = parse_block_size(block_size)
     target, drafter = load_models(choice, block_size)
     sampling = chat_sampling(target.path, temp, top_p, top_k, min_p)
     settings = GenerationSettings(max_tokens=max_tokens, sampling=sampling, seed=seed, block_size=block_size,
@@ -541,8 +549,9 @@ def chat_command(
     console = Console(highlight=False)
     session = ChatSession(target, drafter, settings, console, system, thinking, show_thinking,
                           int(cache_gb * 2**30), choice.label)
-    mode = (f"DFlash 2, block {block_size or drafter.config.block_size}" if drafter is not None and drafter.config.is_dflash2
-            else f"DFlash, block {block_size or drafter.config.block_size}" if drafter is not None else "plain decoding")
+    blocks = f"block {block_size}" if block_size else "auto block size"
+    mode = (f"DFlash 2, {blocks}" if drafter is not None and drafter.config.is_dflash2
+            else f"DFlash, {blocks}" if drafter is not None else "plain decoding")
     samp = "greedy" if sampling.greedy else f"T={sampling.temperature:g}"
     console.print(f"dflash2-mlx chat · {choice.label} · {mode} · {samp}", style="bold", markup=False)
     console.print("/help for commands · Ctrl-C stops an answer · Ctrl-D or /exit leaves", style="dim", markup=False)

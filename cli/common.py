@@ -45,6 +45,35 @@ def preset_option():
     return typer.Option(None, "--preset", help=PRESET_HELP)
 
 
+BLOCK_HELP = ("Tokens per verify block: auto (the break-even controller picks each cycle's size, "
+              "or plain steps when no block pays) or a number 2..the drafter's block size (pinned).")
+
+
+def block_size_option():
+    return typer.Option("auto", "--block-size", help=BLOCK_HELP)
+
+
+def parse_block_size(value: str) -> Optional[int]:
+    """``--block-size``: None for auto, else the pinned size (checked against the drafter at load)."""
+    if str(value).strip().lower() == "auto":
+        return None
+    try:
+        return int(value)
+    except ValueError:
+        fail(f"--block-size must be auto or a whole number, got {value!r}")
+
+
+def controller_line(stats) -> str:
+    """What the block-size policy did, in one line: token shares by mode, block sizes used."""
+    c = getattr(stats, "controller", None)
+    if not c:
+        return ""
+    share = c["share_by_mode"]
+    modes = ", ".join(f"{100 * share[m]:.0f}% {m}" for m in ("speculative", "plain", "probe") if share.get(m))
+    sizes = " ".join(f"{b}x{n}" for b, n in c["block_sizes"].items())
+    return f"{c['policy']}: {modes}; blocks {sizes}" if modes else f"{c['policy']}"
+
+
 # ---------------------------------------------------------------------------------------------
 # The embedded tiny pair (dflash2_mlx.assets): optional, the commands work without it.
 

@@ -16,8 +16,10 @@ from typing import Optional
 import typer
 
 from .common import (
+    block_size_option,
     check_positive,
     choose_models,
+    controller_line,
     draft_option,
     embedded_prompts,
     encode_line,
@@ -25,6 +27,7 @@ from .common import (
     fmt_seconds,
     load_models,
     model_option,
+    parse_block_size,
     preset_option,
     printable,
     sampling_settings,
@@ -66,7 +69,7 @@ def _panel(rec: Recording, t: float, final: bool, height: int, width: int, conso
         tokens += n
         if n and t_first is None:
             t_first = elapsed
-        style = SPEC_STYLES[i % 2] if speculative else None
+        style = SPEC_STYLES[i % 2] if speculative and _accepted is not None else None  # plain steps unstyled
         body.append(printable(text), style=style)
     inner = max(10, width - 4)
     lines = body.wrap(console, inner)
@@ -99,6 +102,9 @@ def _summary(spec: Recording, ar: Recording, identical: Optional[bool]):
     if identical is not None:
         out.append(" · outputs identical: ")
         out.append("yes" if identical else "NO", style="green" if identical else "bold red")
+    if s.controller:
+        out.append("\nblock size: ", style="bold")
+        out.append(controller_line(s) + (f" · last switch {s.controller['last_switch']}" if s.controller.get("last_switch") else ""))
     out.append("\nacceptance by draft position\n", style="bold")
     for i, rate in enumerate(s.acceptance_by_position):
         out.append(f"  {i + 1:>2} ")
@@ -131,7 +137,7 @@ def demo_command(
     max_tokens: int = typer.Option(256, "--max-tokens", help="Tokens to generate in each run."),
     temp: float = typer.Option(0.0, "--temp", help="Sampling temperature; 0 is greedy (then the two outputs must be identical)."),
     seed: Optional[int] = typer.Option(None, "--seed", help="Random seed (set before each run)."),
-    block_size: Optional[int] = typer.Option(None, "--block-size", help="Tokens per verify block, 2..the drafter's block size."),
+    block_size: str = block_size_option(),
     replay_speed: float = typer.Option(1.0, "--replay-speed", help="Replay clock rate: 1 is the measured pace, 2 twice as fast."),
     height: int = typer.Option(16, "--height", help="Text lines shown in each panel."),
     export: Optional[Path] = typer.Option(None, "--export", help="Save the final frame as FILE.svg or FILE.html."),
@@ -165,6 +171,7 @@ def demo_command(
         line = {"prompt": prompt} if ignore_chat_template else {"messages": [{"role": "user", "content": prompt}]}
     else:
         line = ((embedded_prompts() if choice.embedded else []) or BUILTIN_PROMPTS)[0]
+    block_size = parse_block_size(block_size)
     target, drafter = load_models(choice, block_size)
     tokenizer = target.tokenizer
     if "messages" in line and not getattr(tokenizer, "chat_template", None):

@@ -12,6 +12,8 @@ from typing import List, Optional
 
 import typer
 
+from .common import block_size_option
+
 
 def serve_command(
     model: Optional[str] = typer.Option(None, "--model", "-m", help="Target model: local directory or Hugging Face repo id. Default: the embedded tiny demo pair, when installed."),
@@ -24,6 +26,7 @@ def serve_command(
     max_context: Optional[int] = typer.Option(None, "--max-context", help="Refuse prompts of this many tokens or more (default: the model's context)."),
     served_model_name: List[str] = typer.Option([], "--served-model-name", help="Extra model name(s) clients may use (repeatable); listed by /v1/models."),
     no_draft: bool = typer.Option(False, "--no-draft", help="Serve with plain autoregressive decoding (no drafter)."),
+    block_size: str = block_size_option(),
     prefix_cache_gb: float = typer.Option(2.0, "--prefix-cache-gb", help="Memory for prompt-prefix cache snapshots, in GB (0 disables)."),
     request_timeout: float = typer.Option(600.0, "--request-timeout", help="Seconds a request may take, queue wait included; a generation still running is cut short (finish_reason 'length')."),
     default_max_tokens: int = typer.Option(4096, "--default-max-tokens", help="max_tokens for requests that give none."),
@@ -31,7 +34,7 @@ def serve_command(
 ) -> None:
     """Serve the model over HTTP: OpenAI (/v1/chat/completions, /v1/completions, /v1/models) and
     Anthropic (/v1/messages) APIs, plus /health and /metrics."""
-    from .common import choose_models, fail, warn_if_reference_blas
+    from .common import choose_models, fail, parse_block_size, warn_if_reference_blas
 
     for name, value, low in (("--max-queue", max_queue, 1), ("--default-max-tokens", default_max_tokens, 1),
                              ("--max-context", max_context, 2)):
@@ -58,6 +61,9 @@ def serve_command(
     except (memory.DoesNotFit, ValueError) as e:
         fail(str(e))
     warn_if_reference_blas()
+    pinned = parse_block_size(block_size)
+    if pinned is not None and pinned < 2:
+        fail(f"--block-size must be auto or at least 2, got {pinned}")
 
     try:
         import uvicorn
@@ -79,7 +85,7 @@ def serve_command(
         model_name=model_name_for(choice.target),
     )
     worker = Worker(config.model, config.draft_model, max_queue=max_queue, max_context=max_context,
-                    prefix_cache_bytes=int(prefix_cache_gb * 2**30))
+                    prefix_cache_bytes=int(prefix_cache_gb * 2**30), block_size=pinned)
     app = create_app(config, worker)
     server = _Server(uvicorn.Config(app, log_level=log_level.lower(), timeout_graceful_shutdown=15,
                                     timeout_keep_alive=30, lifespan="on"), worker)

@@ -2,8 +2,11 @@
 
 The JSON contract (``dflash2-mlx bench --json``)::
 
-    {"mean": {"acceptance_length", "spec_decode_tps", "ar_decode_tps", "speedup", ...},
-     "prompts": [{"acceptance_length", "spec_decode_tps", "ar_decode_tps", "speedup", "identical", ...}, ...]}
+    {"mean": {"acceptance_length", "spec_decode_tps", "ar_decode_tps", "speedup", "controller"},
+     "prompts": [{"acceptance_length", "spec_decode_tps", "ar_decode_tps", "speedup", "identical", "controller"}, ...]}
+
+- ``controller``: what the block-size policy did (tokens and their share by mode: speculative,
+  plain, probe; cycles per block size; the last switch), summed over prompts in ``mean``.
 
 - ``prompts`` are in file order; ``identical`` is true/false at temperature 0 (speculative tokens
   == autoregressive tokens) and null when sampling.
@@ -158,6 +161,7 @@ def run_bench(
             "speedup": _safe_ratio(st.decode_tps, at.decode_tps),
             "identical": (s.tokens == a.tokens) if greedy else None,
         }
+        result["controller"] = st.controller
         detail = {
             "prompt": label(line),
             "prompt_tokens": st.prompt_tokens,
@@ -182,6 +186,7 @@ def run_bench(
         "spec_decode_tps": spec_tps,
         "ar_decode_tps": ar_tps,
         "speedup": _safe_ratio(spec_tps, ar_tps),
+        "controller": merge_controller([r["controller"] for r in results]),
     }
     return BenchResult(
         {"mean": mean, "prompts": results},
@@ -201,6 +206,29 @@ def profile_cycles(target, drafter, lines: Sequence[dict], settings, encode: Cal
     for line in lines:
         _run(generate_speculative(target.runner, drafter, encode(line), profiled, target.tokenizer))
     return profiler.as_dict()
+
+
+def merge_controller(summaries: Sequence[Optional[dict]]) -> Optional[dict]:
+    """The block-size policy's statistics over several runs: tokens by mode and block sizes summed,
+    the last run's last switch."""
+    summaries = [c for c in summaries if c]
+    if not summaries:
+        return None
+    tokens: dict = {}
+    sizes: dict = {}
+    for c in summaries:
+        for mode, n in c["tokens_by_mode"].items():
+            tokens[mode] = tokens.get(mode, 0) + n
+        for b, n in c["block_sizes"].items():
+            sizes[b] = sizes.get(b, 0) + n
+    total = sum(tokens.values())
+    return {
+        "policy": summaries[-1]["policy"],
+        "tokens_by_mode": tokens,
+        "share_by_mode": {m: (n / total if total else 0.0) for m, n in tokens.items()},
+        "block_sizes": dict(sorted(sizes.items(), key=lambda kv: int(kv[0]))),
+        "last_switch": next((c["last_switch"] for c in reversed(summaries) if c.get("last_switch")), None),
+    }
 
 
 @dataclass

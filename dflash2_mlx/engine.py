@@ -15,12 +15,16 @@ from typing import Iterator, Optional, Sequence, Union
 
 import mlx.core as mx
 
+from .controller import BlockPolicy, policy_for
 from .drafter import Drafter
 from .prefix_cache import PrefixCache, PrefixEntry
 from .profiling import CycleProfiler
 from .sampling import LogitsProcessor, SamplingSettings, apply_processors, probabilities, rejection_step, sample
 from .target import TargetRunner
 from .text import StopStrings
+
+
+UNSEEN_BATCH = 32  # plain steps' feature rows are moved into the drafter's context this many at a time
 
 
 class PromptTooLong(ValueError):
@@ -32,7 +36,8 @@ class GenerationSettings:
     max_tokens: int = 256
     sampling: SamplingSettings = field(default_factory=SamplingSettings)
     seed: Optional[int] = None
-    block_size: Optional[int] = None  # None: the drafter's own
+    block_size: Optional[int] = None  # None: the break-even controller picks each cycle's (2..B, or plain)
+    policy: Optional[BlockPolicy] = None  # overrides block_size (tests force schedules with it)
     stop_token_ids: Sequence[int] = ()
     stop_strings: Sequence[str] = ()
     logits_processors: Sequence[LogitsProcessor] = ()
@@ -46,6 +51,10 @@ class GenerationSettings:
 
 @dataclass
 class GenerationStats:
+    """What a generation did. Speculative cycles count in ``verify_steps``/``cycle_tokens``; the
+    controller's plain steps in ``plain_steps``/``plain_tokens`` (so ``acceptance_length`` stays the
+    drafter's tokens per speculative cycle)."""
+
     prompt_tokens: int = 0
     cached_tokens: int = 0  # prompt tokens restored from the prefix cache, not prefilled
     generation_tokens: int = 0
@@ -59,6 +68,23 @@ class GenerationStats:
     decode_seconds: float = 0.0
     peak_memory_gb: float = 0.0
     finish_reason: Optional[str] = None
+    plain_steps: int = 0
+    plain_tokens: int = 0
+    controller: Optional[dict] = None  # the policy's summary (controller.BlockPolicy.summary)
+
+    def count_cycle(self, block_size: int, accepted: int, emitted: int) -> None:
+        """One cycle of the speculative loop emitted ``emitted`` tokens (after clipping)."""
+        if block_size == 1:
+            self.plain_steps += 1
+            self.plain_tokens += emitted
+            return
+        self.verify_steps += 1
+        self.cycle_tokens += emitted
+        self.drafted_tokens += block_size - 1
+        self.accepted_tokens += accepted
+        for i in range(block_size - 1):
+            self.drafted_by_position[i] += 1
+            self.accepted_by_position[i] += int(i < accepted)
 
     @property
     def acceptance_length(self) -> float:
@@ -91,6 +117,8 @@ class GenerationStats:
             "decode_tps": self.decode_tps,
             "peak_memory_gb": self.peak_memory_gb,
             "finish_reason": self.finish_reason,
+            "plain_steps": self.plain_steps,
+            "controller": self.controller,
         }
 
 
@@ -348,16 +376,21 @@ def generate_speculative(
     save_at: Sequence[int] = (),
 ) -> Iterator[GenerationEvent]:
     """Lossless speculative decoding: greedy output equals ``generate_autoregressive``'s token for
-    token; sampled output follows exactly the target's distribution."""
+    token; sampled output follows exactly the target's distribution.
+
+    Each cycle's block size comes from the request's policy (``controller.py``): the break-even
+    controller by default, ``settings.block_size`` pinned, or ``settings.policy``. A cycle of size
+    1 is a plain step: the target runs the anchor alone and its tapped features still reach the
+    drafter's context, so speculation can resume exactly where it left off."""
     cfg = drafter.config
-    block_size = settings.block_size or cfg.block_size
-    if not 1 < block_size <= cfg.block_size:
-        raise ValueError(f"block size must be in 2..{cfg.block_size} for this drafter, got {block_size}")
+    if settings.block_size is not None and not 1 < settings.block_size <= cfg.block_size:
+        raise ValueError(f"block size must be in 2..{cfg.block_size} for this drafter, got {settings.block_size}")
+    policy = policy_for(runner, drafter, settings)  # may calibrate the pair: before the clock starts
     settings, stats, out = _start(runner, prompt, settings, tokenizer)
     sampling, greedy = settings.sampling, settings.sampling.greedy
     taps = cfg.target_layer_ids
-    stats.accepted_by_position = [0] * (block_size - 1)
-    stats.drafted_by_position = [0] * (block_size - 1)
+    positions = (settings.block_size if settings.block_size and settings.policy is None else cfg.block_size) - 1
+    stats.accepted_by_position, stats.drafted_by_position = [0] * positions, [0] * positions
     first = _prefill_and_pick(runner, prompt, settings, out, drafter, prefix_cache, save_at)
     if first is None:
         yield out.cancel()
@@ -368,14 +401,28 @@ def generate_speculative(
     committed.append(anchor)
     logprobs = _logprob_list(*_logprobs(processed, token, settings.logprobs), 1) if settings.logprobs else None
     event = out.add([anchor], logprobs=logprobs)
-    new_features = None  # target features of positions committed since the drafter last saw them
+    unseen: list[mx.array] = []  # target features [1, r, F] of committed positions the context lacks
     mask_id = cfg.mask_token_id
     hybrid = "gdn" in runner.kinds
     prof = settings.profiler
 
+    def absorb_unseen():
+        if unseen:
+            drafter.absorb(mx.concatenate(unseen, axis=1) if len(unseen) > 1 else unseen[0], context)
+            unseen.clear()
+
+    def history(*lazy: mx.array) -> Optional[mx.array]:
+        """Committed tokens [n] (+ ones not read yet), for history-dependent logits processors."""
+        if not settings.logits_processors:
+            return None
+        return mx.concatenate([mx.array(committed, dtype=mx.int32), *lazy])
+
     def draft_block(anchor: mx.array, bs: int):
         """Draft the block [anchor [1], MASK * (bs-1)] after the context cache -> (draft tokens
-        [bs-1], candidates, q) on their way to being computed (nothing is read)."""
+        [bs-1], candidates, q) on their way to being computed (nothing is read). bs 1: no draft."""
+        if bs == 1:
+            return mx.zeros((0,), dtype=mx.int32), None, None
+        absorb_unseen()
         block = mx.concatenate([anchor, mx.full((bs - 1,), mask_id, dtype=mx.int32)])[None]
         block_embeds = runner.embed(block)
         if cfg.input_embedding_scale != 1.0:
@@ -406,50 +453,74 @@ def generate_speculative(
             prof.mark("select", draft)
         return draft, candidates, q
 
-    ahead = None  # this cycle's draft, when the previous cycle drafted it before its host sync
+    def verify_block(anchor: mx.array, drafted, seen: Optional[mx.array]):
+        """The target's pass over [anchor, d1..d(bs-1)] and the acceptance test, launched ->
+        (features [1, bs, F], GDN inputs for rollback, processed logits [bs, V], accepted [1], bonus [1])."""
+        draft, candidates, q = drafted
+        recorded = [] if hybrid and draft.shape[0] else None
+        verify_in = mx.concatenate([anchor, draft])[None]
+        verify_logits, verify_features = runner(verify_in, cache, taps, recorded)
+        verify_logits = verify_logits[0]
+        if settings.logits_processors:  # row i sees committed + d1..di, as plain decoding did
+            verify_logits = apply_processors(settings.logits_processors, mx.concatenate([seen, draft]), verify_logits)
+        if prof:
+            prof.mark("verify", verify_logits, verify_features)
+        # Accept, on the device: the longest agreeing prefix (greedy) or rejection sampling; a
+        # plain step (no draft) picks from its one row exactly as plain decoding does.
+        if not draft.shape[0]:
+            accepted_arr = mx.zeros((1,), dtype=mx.int32)
+            next_tokens = mx.argmax(verify_logits, axis=-1) if greedy else sample(probabilities(verify_logits, sampling))
+        elif greedy:
+            next_tokens = mx.argmax(verify_logits, axis=-1)  # [bs]
+            agree = (draft == next_tokens[:-1]).astype(mx.int32)
+            accepted_arr = mx.cumprod(agree).sum(keepdims=True)  # [1]
+        else:
+            accepted_arr, next_tokens = rejection_step(draft, probabilities(verify_logits, sampling), q, candidates)
+            accepted_arr = accepted_arr.reshape(1)
+        return verify_features, recorded, verify_logits, accepted_arr, mx.take(next_tokens, accepted_arr)
+
+    # The next cycle's draft (and, after a plain step, its verify pass too), when it was launched
+    # before the previous cycle's host sync.
+    drafted = verified = None
     anchor_in = mx.array([anchor], dtype=mx.int32)  # [1]
+    planned = policy.choose(len(committed))
+    built_ahead = 0.0  # seconds the previous resumption spent launching this cycle
     while not out.finished:
         yield event
         if settings.cancel is not None and settings.cancel.is_set():
             yield out.cancel()
             return
+        resumed = time.perf_counter()  # a cycle is timed within one resumption, never across a yield
         if prof:
             prof.cycle_start()
-        bs = min(block_size, settings.max_tokens - len(out.tokens) + 1)  # never draft past max_tokens
-        if ahead is None:
-            drafter.absorb(new_features, context)
-            ahead = draft_block(anchor_in, bs)
-        (draft, candidates, q), ahead = ahead, None
-        # Verify: the target runs [anchor, d1..d(bs-1)] in one pass.
-        recorded = [] if hybrid else None
-        verify_in = mx.concatenate([anchor_in, draft])[None]
-        verify_logits, verify_features = runner(verify_in, cache, taps, recorded)
-        verify_logits = verify_logits[0]
-        if settings.logits_processors:  # row i sees committed + d1..di, as plain decoding did
-            history = mx.concatenate([mx.array(committed, dtype=mx.int32), draft])
-            verify_logits = apply_processors(settings.logits_processors, history, verify_logits)
-        if prof:
-            prof.mark("verify", verify_logits, verify_features)
-        # Accept, on the device: the longest agreeing prefix (greedy) or rejection sampling.
-        if greedy:
-            target_tokens = mx.argmax(verify_logits, axis=-1)  # [bs]
-            agree = (draft == target_tokens[:-1]).astype(mx.int32)
-            accepted_arr = mx.cumprod(agree).sum(keepdims=True)  # [1]
-            next_tokens = target_tokens
-        else:
-            accepted_arr, next_tokens = rejection_step(draft, probabilities(verify_logits, sampling), q, candidates)
-            accepted_arr = accepted_arr.reshape(1)
-        bonus_arr = mx.take(next_tokens, accepted_arr)  # [1]
-        # Draft the next block now if its size is known whatever is accepted: Python builds and
-        # launches its graph while the verify pass computes, and it runs right after it. The
-        # context cache takes this pass's rows tentatively, keeping accepted + 1 of them.
-        if not prof and settings.max_tokens - (len(out.tokens) + bs) + 1 >= block_size:
-            mx.async_eval(accepted_arr, bonus_arr, verify_features)
-            drafter.absorb(verify_features, context, valid=accepted_arr + 1)
-            ahead = draft_block(bonus_arr, block_size)
+        if drafted is None:
+            drafted = draft_block(anchor_in, min(planned, settings.max_tokens - len(out.tokens) + 1))
+        if verified is None:
+            verified = verify_block(anchor_in, drafted, history())
+        (draft, _, _), (verify_features, recorded, verify_logits, accepted_arr, bonus_arr) = drafted, verified
+        drafted = verified = None
+        bs = draft.shape[0] + 1
+        if bs == 1:
+            unseen.append(verify_features)  # a plain step's row is committed whatever follows
+        planned = policy.choose(len(committed) + bs)
+        # Launch the next cycle now if its size is known whatever is accepted: Python builds its
+        # graph while this one computes. After a plain step the target cache is final, so the
+        # whole next cycle goes; after a block, its draft (the context cache takes this pass's
+        # rows tentatively, keeping accepted + 1 of them).
+        launching = time.perf_counter()
+        if not prof and settings.max_tokens - (len(out.tokens) + bs) >= max(planned - 1, 1):
+            if bs == 1:
+                drafted = draft_block(bonus_arr, planned)
+                verified = verify_block(bonus_arr, drafted, history(bonus_arr))
+                mx.async_eval(verified[-1])
+            elif planned > 1:
+                mx.async_eval(accepted_arr, bonus_arr, verify_features)
+                drafter.absorb(verify_features, context, valid=accepted_arr + 1)
+                drafted = draft_block(bonus_arr, planned)
+        ahead_seconds = time.perf_counter() - launching  # building the next cycle: its cost, not this one's
         mx.eval(draft, accepted_arr, bonus_arr)  # the cycle's one host sync
-        drafted, accepted, bonus = draft.tolist(), accepted_arr.item(), bonus_arr.item()
-        new_tokens = drafted[:accepted] + [bonus]
+        drafts, accepted, bonus = draft.tolist(), accepted_arr.item(), bonus_arr.item()
+        new_tokens = drafts[:accepted] + [bonus]
         if prof:
             prof.mark("accept")
         logprobs = None
@@ -461,28 +532,32 @@ def generate_speculative(
         cache.rollback(recorded or [], fed=bs, keep=accepted + 1)
         if prof:
             prof.mark("rollback", [c.state for c in cache.layers])
-        if ahead is not None:
+        if context.tentative is not None:
             context.commit(accepted + 1)
-            new_features = None
-        else:
-            new_features = verify_features[:, : accepted + 1]
+        elif bs > 1:
+            unseen.append(verify_features[:, : accepted + 1])
+        if len(unseen) >= UNSEEN_BATCH:
+            absorb_unseen()
         committed += new_tokens
         anchor_in = bonus_arr
-        event = out.add(new_tokens, accepted, bs - 1, logprobs=logprobs)
-        stats.verify_steps += 1
-        stats.cycle_tokens += len(event.tokens)
-        stats.drafted_tokens += bs - 1
-        stats.accepted_tokens += accepted
-        for i in range(bs - 1):
-            stats.drafted_by_position[i] += 1
-            stats.accepted_by_position[i] += int(i < accepted)
+        event = out.add(new_tokens, accepted if bs > 1 else None, bs - 1, logprobs=logprobs)
+        stats.count_cycle(bs, accepted, len(event.tokens))
+        policy.observe(bs, accepted, time.perf_counter() - resumed - ahead_seconds + built_ahead, len(committed))
+        built_ahead = ahead_seconds
     if prof:
         prof.stop()
     if prefix_cache is not None:
         # The next chat turn starts with this prompt and answer: keep the caches as they are now.
-        # They cover every committed token but the last (the anchor), whatever clipping showed.
-        drafter.absorb(new_features, context)
-        prefix_cache.store(PrefixEntry(tuple(committed[:-1]), cache.snapshot(), context.copy(), None))
+        # They cover every committed token but the last (the anchor), whatever clipping showed,
+        # unless a verify pass was launched ahead: then it keeps just the anchor's row.
+        covered = committed[:-1]
+        if verified is not None:
+            cache.rollback(verified[1] or [], fed=drafted[0].shape[0] + 1, keep=1)
+            unseen.append(verified[0][:, :1])
+            covered = committed
+        absorb_unseen()
+        prefix_cache.store(PrefixEntry(tuple(covered), cache.snapshot(), context.copy(), None))
+    stats.controller = policy.summary()
     yield out.finish(event)
 
 

@@ -67,7 +67,8 @@ def test_bench_json_contract(tiny_checkpoints, tmp_path):
     assert sum(profile["shares"].values()) == pytest.approx(1.0) and profile["cycles"] > 0 and profile["ar_step_ms"] > 0
     assert set(out) == {"mean", "prompts"}
     mean, per = out["mean"], out["prompts"]
-    assert set(mean) == {"acceptance_length", "spec_decode_tps", "ar_decode_tps", "speedup"}
+    assert set(mean) == {"acceptance_length", "spec_decode_tps", "ar_decode_tps", "speedup", "controller"}
+    assert mean["controller"]["policy"] == "fixed" and set(mean["controller"]["block_sizes"]) <= {"2", "3", "4"}
     assert len(per) == 3
     for p in per:
         assert set(p) == set(mean) | {"identical"}

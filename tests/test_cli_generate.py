@@ -35,19 +35,24 @@ def test_generate_json_speculative_equals_no_draft(tiny_checkpoints):
                 "acceptance_length", "decode_tps", "prefill_tps", "peak_memory_gb"):
         assert key in s
     assert s["generation_tokens"] == len(s["tokens"]) <= 24
-    assert s["verify_steps"] > 0
-    assert s["acceptance_length"] == (len(s["tokens"]) - 1) / s["verify_steps"]
+    controller = s["controller"]  # auto by default: speculative cycles, plain steps and probes
+    assert controller["policy"] == "auto" and sum(controller["tokens_by_mode"].values()) >= len(s["tokens"]) - 1
+    assert sum(int(n) for n in controller["block_sizes"].values()) == s["verify_steps"] + s["plain_steps"]
     assert p["verify_steps"] == 0 and p["acceptance_length"] == 1.0
+    pinned = json.loads(run(*common, "--draft-model", str(drafter), "--block-size", "4").stdout)
+    assert pinned["tokens"] == p["tokens"] and pinned["verify_steps"] > 0 and pinned["plain_steps"] == 0
+    assert pinned["acceptance_length"] == (len(pinned["tokens"]) - 1) / pinned["verify_steps"]
+    assert pinned["controller"]["policy"] == "fixed"
 
 
 def test_generate_without_model_runs_the_embedded_pair(embedded_pair):
     common = ["generate", "--ignore-chat-template", "--prompt", "class Parser:\n    def __init__(self",
               "--max-tokens", "48", "--json"]
-    spec, plain = run(*common), run(*common, "--no-draft")
+    spec, plain = run(*common, "--block-size", "8"), run(*common, "--no-draft")
     assert spec.returncode == 0 and plain.returncode == 0, spec.stderr + plain.stderr
     s, p = json.loads(spec.stdout), json.loads(plain.stdout)
     assert s["tokens"] == p["tokens"] and len(s["tokens"]) == 48
-    assert s["acceptance_length"] >= 3.0
+    assert s["acceptance_length"] >= 3.0  # at the drafter's own block size (auto may pick smaller ones)
     assert "needs --model" in _one_line_error(run("generate", "--prompt", "x", "--draft-model", str(embedded_pair[1])))
 
 
@@ -107,6 +112,7 @@ def test_bad_input_ends_in_one_line(tiny_checkpoints, tmp_path, run_in_process):
     assert "--draft-model" in _one_line_error(cli(*base, "--model", str(target)))
     assert "drafter" in _one_line_error(cli(*base, "--model", str(drafter), "--no-draft"))
     assert "block-size" in _one_line_error(cli(*base, "--model", str(target), "--draft-model", str(drafter), "--block-size", "9"))
+    assert "auto or a whole number" in _one_line_error(cli(*base, "--model", str(target), "--draft-model", str(drafter), "--block-size", "x"))
     assert "top_p" in _one_line_error(cli(*base, "--model", str(target), "--no-draft", "--top-p", "0"))
     assert "max-tokens" in _one_line_error(cli(*base, "--model", str(target), "--no-draft", "--max-tokens", "0"))
     # a drafter made for another target (hidden size 32 instead of 64)

@@ -158,13 +158,13 @@ def test_profiled_decoding_emits_the_same_tokens_and_accounts_every_phase(pair):
 
     runner, drafter = pair
     prompt = [5, 9, 2, 7, 7, 1, 3]
-    settings = GenerationSettings(max_tokens=30)
+    settings = GenerationSettings(max_tokens=30, block_size=4)  # pinned: auto may decode this random drafter plainly
     plain, _ = _run(generate_speculative(runner, drafter, prompt, settings))
     profiler = CycleProfiler()
-    profiled, last = _run(generate_speculative(runner, drafter, prompt, GenerationSettings(max_tokens=30, profiler=profiler)))
+    profiled, last = _run(generate_speculative(runner, drafter, prompt, GenerationSettings(max_tokens=30, block_size=4, profiler=profiler)))
     assert profiled == plain
     report = profiler.as_dict()
-    assert report["cycles"] == last.stats.verify_steps
+    assert report["cycles"] == last.stats.verify_steps + last.stats.plain_steps
     assert set(report["shares"]) == set(PHASES) and sum(report["shares"].values()) == pytest.approx(1.0)
     for phase in ("draft", "select", "verify", "accept", "rollback"):
         assert report["ms"][phase] > 0, phase
@@ -192,7 +192,7 @@ def test_each_block_is_drafted_before_the_previous_cycles_host_sync(hybrid_targe
     drafter = _RecordingDrafter(tiny.drafter_config(cfg, version=2, block_size=8))
     mx.eval(drafter.parameters())
     prompt, max_tokens = [5, 6, 7, 8], 40
-    events = list(generate_speculative(runner, drafter, prompt, GenerationSettings(max_tokens=max_tokens)))
+    events = list(generate_speculative(runner, drafter, prompt, GenerationSettings(max_tokens=max_tokens, block_size=8)))
     plain, _ = _run(generate_autoregressive(runner, prompt, GenerationSettings(max_tokens=max_tokens)))
     assert [t for e in events for t in e.tokens] == plain
     emitted, expected = len(events[0].tokens), [False]  # the first block follows the prefill

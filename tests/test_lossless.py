@@ -257,8 +257,122 @@ def test_sampled_decoding_through_the_compiled_kernels_draws_what_the_reference_
     runner = TargetRunner(model)
     dcfg = tiny.drafter_config(cfg, version=2, block_size=8)
     drafter = tiny.build_drafter(dcfg)
-    settings = GenerationSettings(max_tokens=24, sampling=SamplingSettings(temperature=1.0), seed=11)
+    settings = GenerationSettings(max_tokens=24, sampling=SamplingSettings(temperature=1.0), seed=11, block_size=8)
     reference = _tokens(generate_speculative(runner, drafter, [3, 4, 5], settings))
     with kernels.override(**harness.harness_kernels()):
         compiled = _tokens(generate_speculative(runner, drafter, [3, 4, 5], settings))
     assert compiled == reference
+
+
+# -- the block-size controller: any schedule of plain steps and block sizes is lossless ---------
+
+
+def _schedule(rng: random.Random, max_block: int) -> list[int]:
+    """Runs of plain steps and of block sizes 2..max_block, switching several times."""
+    out = []
+    while len(out) < 60:
+        size = 1 if rng.random() < 0.4 else rng.randint(2, max_block)
+        out += [size] * rng.randint(1, 6)
+    return out
+
+
+def test_greedy_output_equals_plain_under_forced_switching_schedules(hybrid_target, plain_target, plain_greedy):
+    """Plain steps (cycles of block size 1) and blocks of every size, mixed by a schedule, emit
+    exactly plain decoding's tokens; the schedule really ran (switches and every size seen)."""
+    from dflash2_mlx.controller import ScheduledBlocks
+
+    targets = {"hybrid": hybrid_target, "plain": plain_target}
+    rng = random.Random(14)
+    sizes_seen, switches = set(), 0
+    for case, (kind, prompt) in enumerate(_random_prompts(1414, 14)):
+        cfg, model = targets[kind]
+        runner = TargetRunner(model)
+        plain = plain_greedy(targets[kind], prompt, 72)
+        dcfg = tiny.drafter_config(cfg, version=1 + case % 2, block_size=16, sliding_window=rng.choice([None, 5]))
+        corrupt = {p for p in range(len(prompt) + 1, len(prompt) + 73) if rng.random() < 0.15}
+        drafter = tiny.OracleDrafter(dcfg, prompt + plain, corrupt)
+        drafter.load_weights(tree_flatten(tiny.build_drafter(dcfg, seed=case).parameters()))
+        policy = ScheduledBlocks(_schedule(rng, 16))
+        events = list(generate_speculative(runner, drafter, prompt, GenerationSettings(max_tokens=72, policy=policy)))
+        assert _tokens(events) == plain
+        ran, emitted = [], 1  # the prefill's token
+        for i, (size, accepted) in enumerate(policy.observed):
+            assert size == min(policy.schedule[i % len(policy.schedule)], 72 - emitted + 1)  # clipped to max_tokens
+            ran.append(size)
+            emitted += accepted + 1
+        sizes_seen |= set(ran)
+        switches += sum(a != b for a, b in zip(ran, ran[1:]))
+        stats = events[-1].stats
+        assert stats.plain_steps == ran.count(1) and stats.verify_steps == len(ran) - ran.count(1)
+        assert stats.cycle_tokens + stats.plain_tokens == len(plain) - 1
+    assert sizes_seen == set(range(1, 17)), sorted(sizes_seen)
+    assert switches >= 80
+
+
+def test_logits_processors_and_stop_tokens_hold_across_plain_steps(hybrid_target):
+    """History-dependent processors see the same history in plain steps, blocks and the steps
+    launched ahead of a host sync; a stop token inside a plain stretch ends the output there."""
+    from mlx_lm.sample_utils import make_logits_processors
+
+    from dflash2_mlx.controller import ScheduledBlocks
+
+    cfg, model = hybrid_target
+    runner = TargetRunner(model)
+    prompt = [5, 9, 5, 9, 12]
+    procs = make_logits_processors(logit_bias={17: 2.0, 40: -5.0}, repetition_penalty=1.3, repetition_context_size=8)
+    settings = GenerationSettings(max_tokens=40, logits_processors=procs)
+    plain = _tokens(generate_autoregressive(runner, prompt, settings))
+    dcfg = tiny.drafter_config(cfg, version=2)
+    drafter = tiny.OracleDrafter(dcfg, prompt + plain, {9, 16, 30})
+    drafter.load_weights(tree_flatten(tiny.build_drafter(dcfg).parameters()))
+    schedule = [1, 1, 1, 4, 4, 1, 6, 1, 1, 2, 8, 1, 1, 1]
+    spec = _tokens(generate_speculative(runner, drafter, prompt, GenerationSettings(
+        max_tokens=40, logits_processors=procs, policy=ScheduledBlocks(schedule))))
+    assert spec == plain
+    stop = plain[2]  # emitted by the second plain step
+    events = list(generate_speculative(runner, drafter, prompt, GenerationSettings(
+        max_tokens=40, logits_processors=procs, stop_token_ids=[stop], policy=ScheduledBlocks(schedule))))
+    assert _tokens(events) == plain[: plain.index(stop) + 1] and events[-1].finish_reason == "stop"
+
+
+class _RecordingDrafter(tiny.Drafter):
+    """A real drafter that keeps every block's position and final hidden rows (lazy)."""
+
+    def __init__(self, config):
+        super().__init__(config)
+        self.blocks = []
+
+    def __call__(self, block_embeds, features, cache):
+        hidden = super().__call__(block_embeds, features, cache)
+        self.blocks.append((cache.next_position()[0], hidden))
+        return hidden
+
+
+@pytest.mark.parametrize("window", [None, 12])
+def test_blocks_drafted_after_a_plain_stretch_equal_those_of_a_run_that_never_left_speculation(hybrid_target, window):
+    """Plain steps feed the target's tapped features into the drafter's context cache: a block
+    drafted after a plain stretch (longer than the window and the context batch) sees the same
+    context as the same block in a run that speculated all along."""
+    from dflash2_mlx.controller import ScheduledBlocks
+
+    cfg, model = hybrid_target
+    runner = TargetRunner(model)
+    dcfg = tiny.drafter_config(cfg, version=2, block_size=8, sliding_window=window)
+    weights = tree_flatten(tiny.build_drafter(dcfg, seed=3).parameters())
+    runs = {}
+    # a random drafter rarely agrees with the target: the speculating run drafts at nearly every position
+    for name, schedule in (("speculating", [4]), ("switching", [4, 4, 4] + [1] * 40 + [4] * 6 + [1] * 3 + [4] * 20)):
+        drafter = _RecordingDrafter(dcfg)
+        drafter.load_weights(weights)
+        tokens = _tokens(generate_speculative(runner, drafter, [3, 1, 4, 1, 5], GenerationSettings(
+            max_tokens=90, policy=ScheduledBlocks(schedule))))
+        runs[name] = (tokens, {int(p.item()): h for p, h in drafter.blocks})
+    assert runs["speculating"][0] == runs["switching"][0]
+    always, switching = runs["speculating"][1], runs["switching"][1]
+    after_plain = [p for p in switching if p > 5 + 3 + 40]
+    compared = [p for p in after_plain if p in always]
+    assert len(compared) >= 15  # a context that missed the plain rows would draft them at other positions
+    for p in compared:
+        # float rounding only (batched and one-row BLAS matmuls of the context rows round differently)
+        gap = mx.abs(switching[p] - always[p]).max().item()
+        assert gap < 1e-4, f"block at position {p} differs by {gap}"

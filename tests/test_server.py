@@ -81,8 +81,9 @@ def test_chat_stream_equals_complete_with_usage_and_speculative(client):
     assert choice.finish_reason in ("length", "stop")
     assert full.usage.completion_tokens <= 24 and full.usage.prompt_tokens > 0
     spec = full.model_extra["speculative"]
-    assert set(spec) == {"acceptance_length", "verify_steps", "draft_tokens", "accepted_tokens"}
-    assert spec["verify_steps"] > 0
+    assert set(spec) == {"acceptance_length", "verify_steps", "draft_tokens", "accepted_tokens", "controller"}
+    controller = spec["controller"]  # the break-even controller decides each cycle (plain steps count too)
+    assert controller["policy"] == "auto" and sum(controller["tokens_by_mode"].values()) >= full.usage.completion_tokens - 1
     chunks = list(chat(client, stream=True, stream_options={"include_usage": True}))
     text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
     assert text == choice.message.content
@@ -154,7 +155,7 @@ def test_anthropic_messages(server):
     msg = c.messages.create(**kw)
     assert msg.type == "message" and msg.role == "assistant"
     assert msg.stop_reason in ("max_tokens", "end_turn")
-    assert msg.usage.output_tokens <= 20 and msg.model_extra["speculative"]["verify_steps"] > 0
+    assert msg.usage.output_tokens <= 20 and msg.model_extra["speculative"]["controller"]["policy"] == "auto"
     text = "".join(b.text for b in msg.content if b.type == "text")
     with c.messages.stream(**kw) as stream:
         streamed = "".join(stream.text_stream)

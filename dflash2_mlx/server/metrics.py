@@ -54,6 +54,8 @@ class Metrics:
         self.cycle_tokens = 0
         self.drafted_tokens = 0
         self.accepted_tokens = 0
+        self.tokens_by_mode = defaultdict(int)  # the block-size policy's speculative / plain / probe tokens
+        self.block_size_cycles = defaultdict(int)  # block size (1: plain step) -> cycles
         self.decode_seconds = 0.0
         self.last_decode_tps = 0.0
         self.in_flight = 0
@@ -90,6 +92,11 @@ class Metrics:
             self.drafted_tokens += stats.drafted_tokens
             self.accepted_tokens += stats.accepted_tokens
             self.decode_seconds += stats.decode_seconds
+            controller = getattr(stats, "controller", None) or {}
+            for mode, n in controller.get("tokens_by_mode", {}).items():
+                self.tokens_by_mode[mode] += n
+            for size, n in controller.get("block_sizes", {}).items():
+                self.block_size_cycles[int(size)] += n
             if stats.generation_tokens > 1 and stats.decode_tps > 0:
                 self.last_decode_tps = stats.decode_tps
                 self.decode_tps_hist.observe(stats.decode_tps)
@@ -114,6 +121,14 @@ class Metrics:
             ]
             for reason, n in sorted(self.generations.items()):
                 lines.append(f'{p}_generations_total{{finish_reason="{reason}"}} {n}')
+            lines += [f"# HELP {p}_tokens_by_mode_total Generated tokens by decoding mode (speculative cycles, "
+                      "the controller's plain steps, its probes).", f"# TYPE {p}_tokens_by_mode_total counter"]
+            for mode, n in sorted(self.tokens_by_mode.items()):
+                lines.append(f'{p}_tokens_by_mode_total{{mode="{mode}"}} {n}')
+            lines += [f"# HELP {p}_block_size_cycles_total Decode cycles by block size (1: a plain step).",
+                      f"# TYPE {p}_block_size_cycles_total counter"]
+            for size, n in sorted(self.block_size_cycles.items()):
+                lines.append(f'{p}_block_size_cycles_total{{block_size="{size}"}} {n}')
             scalars = [
                 ("prompt_tokens_total", "counter", "Prompt tokens of finished generations.", self.prompt_tokens),
                 ("prompt_cached_tokens_total", "counter", "Prompt tokens restored from the prefix cache.", self.cached_tokens),

@@ -115,8 +115,9 @@ def _logit_bias(bias, vocab_size: int) -> dict[int, float]:
     return out
 
 
-def to_settings(p: GenParams, tokenizer, cancel: threading.Event, prompt_len: int):
-    """The engine settings for one request (worker thread only: makes MLX arrays)."""
+def to_settings(p: GenParams, tokenizer, cancel: threading.Event, prompt_len: int, block_size: Optional[int] = None):
+    """The engine settings for one request (worker thread only: makes MLX arrays); ``block_size``:
+    the server's ``--block-size`` (None: the break-even controller)."""
     from mlx_lm.sample_utils import make_logits_processors
 
     from dflash2_mlx.engine import GenerationSettings
@@ -141,4 +142,5 @@ def to_settings(p: GenParams, tokenizer, cancel: threading.Event, prompt_len: in
         logits_processors=processors,
         logprobs=max(p.top_logprobs, 1) if p.logprobs else 0,
         cancel=cancel,
+        block_size=block_size,
     )

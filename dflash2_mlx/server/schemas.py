@@ -185,6 +185,7 @@ class Speculative(_Out):
     verify_steps: int
     draft_tokens: int
     accepted_tokens: int
+    controller: Optional[dict] = None  # the block-size policy's statistics (controller.BlockPolicy.summary)
 
 
 class Usage(_Out):

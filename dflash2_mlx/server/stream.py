@@ -111,7 +111,8 @@ class Accumulator:
         if s is None:
             return {"acceptance_length": 1.0, "verify_steps": 0, "draft_tokens": 0, "accepted_tokens": 0}
         return {"acceptance_length": round(float(s.acceptance_length), 4), "verify_steps": s.verify_steps,
-                "draft_tokens": s.drafted_tokens, "accepted_tokens": s.accepted_tokens}
+                "draft_tokens": s.drafted_tokens, "accepted_tokens": s.accepted_tokens,
+                "controller": getattr(s, "controller", None)}
 
     def usage(self) -> dict:
         completion = self.stats.generation_tokens if self.stats is not None else len(self.tokens)

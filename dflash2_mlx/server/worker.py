@@ -64,8 +64,10 @@ class Worker:
         metrics: Optional[Metrics] = None,
         on_fatal: Optional[Callable[[str], None]] = None,
         loader: Optional[Callable[[], tuple]] = None,
+        block_size: Optional[int] = None,
     ):
         self.model_path, self.draft_path = model, draft_model
+        self.block_size = block_size  # None: the break-even controller picks each cycle's
         self.max_queue = max_queue
         self.max_context_limit = max_context
         self.prefix_cache_bytes = prefix_cache_bytes
@@ -203,6 +205,8 @@ class Worker:
             from dflash2_mlx.loading import load_pair
 
             self.target, self.drafter = load_pair(self.model_path, self.draft_path, self.max_context_limit)
+        if self.drafter is not None and self.block_size is not None and self.block_size > self.drafter.config.block_size:
+            raise ValueError(f"--block-size must be at most {self.drafter.config.block_size} for this drafter, got {self.block_size}")
         import mlx.core as mx
 
         from dflash2_mlx.loading import freeze_loaded_objects
@@ -235,7 +239,7 @@ class Worker:
         t0 = time.perf_counter()
         ttft = None
         try:
-            settings = to_settings(job.params, self.tokenizer, job.cancel, len(job.prompt))
+            settings = to_settings(job.params, self.tokenizer, job.cancel, len(job.prompt), self.block_size)
             runner, tok = self.target.runner, self.tokenizer
             if self.drafter is not None:
                 events = generate_speculative(runner, self.drafter, job.prompt, settings, tok,

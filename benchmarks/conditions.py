@@ -1,0 +1,141 @@
+"""Where does speculation pay? One table over pair x temperature x prompt x mode.
+
+    python benchmarks/conditions.py [--draft-model D [--model M]] [--limit 4] [--max-tokens 96]
+                                    [--long 3000] [--temps 0,0.7,1.0] [--json out.json]
+
+- pair: the embedded pair, plus the pair given by --model / --draft-model (--draft-model alone:
+  the embedded target with that drafter, e.g. a weaker one from `dflash2-mlx train-drafter`);
+- temperature: 0, 0.7, 1.0;
+- prompt: the pair's prompt set (the embedded pair's own, first --limit) and one held-out
+  standard-library text of about --long tokens, fed as is;
+- mode: plain decoding, the fixed loop at block 2 / 4 / 8, and auto (the break-even controller).
+
+Per cell: decode tok/s (mean over the prompts), acceptance length (cycle tokens / speculative
+cycles) and speedup = the mode's tok/s / plain decoding's tok/s, measured in the same run: for
+every prompt the modes run back to back, in an order that rotates from prompt to prompt, after an
+untimed warm-up of every mode (which also calibrates the controller and gives it the pair's
+history at that temperature, as any earlier request would).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import dflash2_mlx  # noqa: F401  (OpenBLAS before mlx.core)
+
+MODES = ("plain", "2", "4", "8", "auto")
+
+
+def run_mode(target, drafter, ids, mode: str, temperature: float, max_tokens: int, seed: int):
+    from dflash2_mlx.engine import GenerationSettings, collect, generate_autoregressive, generate_speculative
+    from dflash2_mlx.sampling import SamplingSettings
+
+    settings = GenerationSettings(max_tokens=max_tokens, sampling=SamplingSettings(temperature=temperature), seed=seed,
+                                  block_size=None if mode in ("plain", "auto") else int(mode))
+    if mode == "plain":
+        return collect(generate_autoregressive(target.runner, ids, settings))[1]
+    return collect(generate_speculative(target.runner, drafter, ids, settings))[1]
+
+
+def cell_rows(target, drafter, prompts: list[list[int]], temperature: float, max_tokens: int) -> dict:
+    """Every mode on every prompt, interleaved -> per mode: tok/s, acceptance, speedup, controller."""
+    from dflash2_mlx.bench import merge_controller
+
+    modes = [m for m in MODES if m == "plain" or m == "auto" or int(m) <= drafter.config.block_size]
+    for mode in modes:  # warm-up
+        run_mode(target, drafter, prompts[0], mode, temperature, min(max_tokens, 32), 0)
+    runs = {m: [] for m in modes}
+    for i, ids in enumerate(prompts):
+        order = modes[i % len(modes):] + modes[: i % len(modes)]
+        for mode in order:
+            runs[mode].append(run_mode(target, drafter, ids, mode, temperature, max_tokens, seed=i))
+    plain_tps = sum(s.decode_tps for s in runs["plain"]) / len(prompts)
+    out = {}
+    for mode, stats in runs.items():
+        tps = sum(s.decode_tps for s in stats) / len(stats)
+        cycles = sum(s.verify_steps for s in stats)
+        out[mode] = {
+            "decode_tps": tps,
+            "acceptance_length": sum(s.cycle_tokens for s in stats) / cycles if cycles else 1.0,
+            "speedup": tps / plain_tps if plain_tps else None,
+            "controller": merge_controller([s.controller for s in stats]) if mode == "auto" else None,
+        }
+    return out
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--model", help="target of the extra pair (default: the embedded target)")
+    ap.add_argument("--draft-model", help="drafter of the extra pair")
+    ap.add_argument("--limit", type=int, default=4, help="prompts of the prompt set")
+    ap.add_argument("--max-tokens", type=int, default=96)
+    ap.add_argument("--long", type=int, default=3000, help="tokens of the long prompt")
+    ap.add_argument("--temps", default="0,0.7,1.0")
+    ap.add_argument("--json", type=Path, default=None)
+    ap.add_argument("--skip-embedded", action="store_true", help="only the --draft-model pair")
+    args = ap.parse_args(argv)
+
+    sys.path.insert(0, str(Path(__file__).parent))
+    from long_context import held_out_tokens
+
+    from dflash2_mlx.cli.common import embedded_pair, embedded_prompts, encode_line
+    from dflash2_mlx.loading import load_drafter, load_target
+
+    embedded = embedded_pair()
+    pairs = [] if args.skip_embedded else [("embedded", str(embedded[0]), str(embedded[1]))]
+    if args.draft_model:
+        pairs.append((f"{Path(args.model or 'embedded target').name} + {Path(args.draft_model).name}",
+                      args.model or str(embedded[0]), args.draft_model))
+    temps = [float(t) for t in args.temps.split(",")]
+    report = {"settings": vars(args) | {"json": str(args.json) if args.json else None}, "cells": []}
+    for name, target_path, drafter_path in pairs:
+        target, drafter = load_target(target_path), load_drafter(drafter_path)
+        tok = target.tokenizer
+        prompt_sets = {
+            f"prompt set ({args.limit})": [encode_line(tok, line) for line in embedded_prompts()[: args.limit]],
+            f"long ({args.long} tokens)": [held_out_tokens(tok, args.long)],
+        }
+        for temperature in temps:
+            for prompt_name, prompts in prompt_sets.items():
+                rows = cell_rows(target, drafter, prompts, temperature, args.max_tokens)
+                cell = {"pair": name, "temperature": temperature, "prompt": prompt_name, "modes": rows}
+                report["cells"].append(cell)
+                print(_line(cell), flush=True)
+    print()
+    print(markdown(report))
+    if args.json:
+        args.json.write_text(json.dumps(report, indent=1) + "\n")
+    return 0
+
+
+def _line(cell: dict) -> str:
+    modes = "  ".join(f"{m} {r['decode_tps']:.0f} tok/s {r['speedup']:.2f}x" for m, r in cell["modes"].items())
+    return f"{cell['pair']} T={cell['temperature']:g} {cell['prompt']}: {modes}"
+
+
+def markdown(report: dict) -> str:
+    """The table: one row per (pair, temperature, prompt); per mode speedup (acceptance)."""
+    head = ["pair", "T", "prompt", "plain tok/s"] + [f"{m}" for m in MODES[1:]] + ["auto / best fixed", "auto chose"]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for cell in report["cells"]:
+        rows = cell["modes"]
+        fixed = [rows[m]["speedup"] for m in MODES[1:-1] if m in rows]
+        best = max(fixed)
+        auto = rows["auto"]["speedup"]
+        target_line = f"{auto / best:.2f} of best" if best > 1 else f"{auto:.2f}x plain"
+        c = rows["auto"]["controller"] or {}
+        share = c.get("share_by_mode", {})
+        chose = (f"{100 * share.get('speculative', 0):.0f}% spec / {100 * share.get('plain', 0):.0f}% plain / "
+                 f"{100 * share.get('probe', 0):.0f}% probe; blocks " + " ".join(f"{b}:{n}" for b, n in c.get("block_sizes", {}).items()))
+        cells = [cell["pair"], f"{cell['temperature']:g}", cell["prompt"], f"{rows['plain']['decode_tps']:.0f}"]
+        cells += [f"{rows[m]['speedup']:.2f}x ({rows[m]['acceptance_length']:.2f})" if m in rows else "–" for m in MODES[1:]]
+        cells += [target_line, chose]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

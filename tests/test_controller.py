@@ -1,0 +1,136 @@
+"""The break-even controller: its arithmetic and decisions, on simulated cycles (no model).
+
+A simulated request feeds the controller the cycles a pair with known costs and per-position
+acceptance would produce; the decisions are then checked against what the costs imply. The
+timings are made up, so nothing here depends on the machine's speed.
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from dflash2_mlx.controller import (
+    PLAIN,
+    BreakEvenController,
+    CostTable,
+    PairProfile,
+    bucket,
+    expected_tokens,
+    monotone,
+)
+
+MAX_BLOCK = 8
+
+
+def _profile(step: float, per_row: float, base: float) -> PairProfile:
+    """A pair whose plain step costs ``step`` and a block of b costs base + per_row * b."""
+    profile = PairProfile(MAX_BLOCK - 1)
+    costs = profile.cost_table(greedy=True)
+    costs.observe(PLAIN, 16, step)
+    for b in range(2, MAX_BLOCK + 1):
+        costs.observe(b, 16, base + per_row * b)
+    return profile
+
+
+def _simulate(controller, rate: float, cycles: int, step: float, per_row: float, base: float, seed: int = 0):
+    """Run ``cycles`` cycles where each draft is accepted with probability ``rate`` (given the
+    ones before were): returns the block sizes chosen, the tokens and the seconds spent."""
+    rng = random.Random(seed)
+    sizes, tokens, seconds = [], 0, 0.0
+    context = 16
+    for _ in range(cycles):
+        b = controller.choose(context)
+        accepted = 0
+        while accepted < b - 1 and rng.random() < rate:
+            accepted += 1
+        t = step if b == PLAIN else base + per_row * b
+        controller.observe(b, accepted, t, context)
+        sizes.append(b)
+        tokens += accepted + 1
+        seconds += t
+        context += accepted + 1
+    return sizes, tokens, seconds
+
+
+def test_expected_tokens_is_one_plus_the_sum_of_prefix_acceptance_probabilities():
+    rates = [0.5, 0.5, 1.0]
+    assert expected_tokens(rates, 1) == 1.0
+    assert expected_tokens(rates, 2) == 1.5
+    assert expected_tokens(rates, 3) == 1.75
+    assert expected_tokens(rates, 4) == 2.0
+
+
+def test_a_well_matched_pair_speculates_with_the_block_that_pays_most():
+    # a block of b costs 1 + 0.1 b plain steps; with 95% acceptance the biggest block wins
+    profile = _profile(step=1.0, per_row=0.1, base=1.0)
+    controller = BreakEvenController(profile, MAX_BLOCK, greedy=True, temperature=0.0)
+    sizes, tokens, seconds = _simulate(controller, 0.95, 200, 1.0, 0.1, 1.0)
+    assert sizes[-50:].count(MAX_BLOCK) >= 45
+    assert tokens / seconds > 2.5  # tokens per plain-step time: well above plain decoding's 1.0
+
+
+def test_a_poor_pair_decodes_plainly_and_probes_within_the_budget():
+    # a block costs 2.5-3.2 steps and accepts 20%: no block pays
+    profile = _profile(step=1.0, per_row=0.1, base=2.4)
+    controller = BreakEvenController(profile, MAX_BLOCK, greedy=True, temperature=0.0)
+    sizes, tokens, seconds = _simulate(controller, 0.2, 3000, 1.0, 0.1, 2.4)
+    assert sizes[-2000:].count(PLAIN) > 0.95 * 2000
+    probes = sum(1 for b in sizes[1000:] if b > PLAIN)
+    assert probes >= 5  # it keeps looking
+    summary = controller.summary()
+    assert summary["probe_share_of_decode_time"] <= 0.03
+    assert summary["share_by_mode"]["plain"] > 0.9 and summary["mode"] == "plain"
+    assert summary["last_switch"].startswith("to plain")
+    assert tokens / seconds > 0.97  # never much slower than plain decoding
+
+
+def test_probes_notice_when_acceptance_recovers():
+    profile = _profile(step=1.0, per_row=0.1, base=1.0)
+    controller = BreakEvenController(profile, MAX_BLOCK, greedy=True, temperature=0.0)
+    # a block of b costs 1 + 0.1 b: at 5% acceptance nothing pays, at 90% big blocks do
+    _simulate(controller, 0.05, 400, 1.0, 0.1, 1.0, seed=1)
+    assert controller.mode == "plain"
+    sizes, _, _ = _simulate(controller, 0.9, 600, 1.0, 0.1, 1.0, seed=2)
+    assert controller.mode == "speculative" and sizes[-100:].count(PLAIN) < 5
+    assert controller.summary()["last_switch"].startswith("to speculative")
+
+
+def test_the_pairs_history_is_the_next_requests_prior():
+    profile = _profile(step=1.0, per_row=0.1, base=2.4)
+    first = BreakEvenController(profile, MAX_BLOCK, greedy=True, temperature=0.0)
+    _simulate(first, 0.1, 100, 1.0, 0.1, 2.4)
+    second = BreakEvenController(profile, MAX_BLOCK, greedy=True, temperature=0.0)
+    assert second.choose(16) == PLAIN  # it starts plainly: the pair is known to lose at this temperature
+    other_temperature = BreakEvenController(profile, MAX_BLOCK, greedy=False, temperature=0.7)
+    other_temperature.costs.observe(PLAIN, 16, 1.0)
+    for b in range(2, MAX_BLOCK + 1):
+        other_temperature.costs.observe(b, 16, 2.4 + 0.1 * b)
+    assert other_temperature.choose(16) > PLAIN  # no history there: a pair is first assumed to speculate well
+
+
+def test_costs_are_per_context_bucket_and_borrow_the_nearest_buckets_shape():
+    table = CostTable()
+    for b, t in ((1, 1.0), (2, 2.0), (4, 3.0)):
+        table.observe(b, 100, t)
+    assert bucket(100) == 0 and bucket(600) == 1 and bucket(3000) == 3
+    assert table.estimate(3, 100) == pytest.approx(2.5)  # interpolated between measured sizes
+    table.observe(1, 3000, 2.0)  # at long context a plain step is twice as dear
+    assert table.estimate(4, 3000) == pytest.approx(6.0)
+    assert table.estimate(4, 100) == pytest.approx(3.0)
+
+
+def test_a_slower_machine_moves_every_size_not_only_the_one_timed():
+    table = CostTable()
+    table.observe(1, 10, 1.0)
+    table.observe(4, 10, 3.0)
+    for _ in range(30):
+        table.observe(4, 10, 6.0)  # everything got twice as slow; only blocks of 4 are running
+    assert table.estimate(4, 10) == pytest.approx(6.0, rel=0.01)
+    assert table.estimate(1, 10) == pytest.approx(2 ** 0.5, rel=0.01)  # followed halfway, in log terms
+
+
+def test_calibration_medians_are_made_monotone_in_block_size():
+    assert monotone([1.0, 3.0, 2.0, 4.0]) == [1.0, 2.5, 2.5, 4.0]
+    assert monotone([1.0, 2.0, 3.0]) == [1.0, 2.0, 3.0]
