@@ -12,7 +12,7 @@ from typing import List, Optional
 
 import typer
 
-from .common import block_size_option
+from .common import block_size_option, prompt_cache_option
 
 
 def serve_command(
@@ -23,20 +23,24 @@ def serve_command(
     api_key: Optional[str] = typer.Option(None, "--api-key", envvar="DFLASH2_API_KEY", help="Require this key: 'Authorization: Bearer KEY' (OpenAI routes) or 'x-api-key: KEY' (/v1/messages)."),
     allowed_origins: List[str] = typer.Option([], "--allowed-origins", help="Enable CORS for these browser origins (repeatable or comma-separated; '*' for any). Off by default."),
     max_queue: int = typer.Option(64, "--max-queue", help="Requests that may wait for the generation worker; more get 429 with Retry-After."),
+    max_concurrent: int = typer.Option(4, "--max-concurrent", help="Requests that decode at once, taking turns cycle by cycle; more wait in the queue."),
     max_context: Optional[int] = typer.Option(None, "--max-context", help="Refuse prompts of this many tokens or more (default: the model's context)."),
     served_model_name: List[str] = typer.Option([], "--served-model-name", help="Extra model name(s) clients may use (repeatable); listed by /v1/models."),
     no_draft: bool = typer.Option(False, "--no-draft", help="Serve with plain autoregressive decoding (no drafter)."),
     block_size: str = block_size_option(),
     prefix_cache_gb: float = typer.Option(2.0, "--prefix-cache-gb", help="Memory for prompt-prefix cache snapshots, in GB (0 disables)."),
+    prompt_cache_dir: Optional[str] = prompt_cache_option(),
+    prompt_cache_gb: float = typer.Option(8.0, "--prompt-cache-gb", help="Disk budget of the prompt cache directory, in GB; least recently used snapshots go first."),
     request_timeout: float = typer.Option(600.0, "--request-timeout", help="Seconds a request may take, queue wait included; a generation still running is cut short (finish_reason 'length')."),
     default_max_tokens: int = typer.Option(4096, "--default-max-tokens", help="max_tokens for requests that give none."),
     log_level: str = typer.Option("info", "--log-level", help="critical, error, warning, info or debug."),
 ) -> None:
     """Serve the model over HTTP: OpenAI (/v1/chat/completions, /v1/completions, /v1/models) and
     Anthropic (/v1/messages) APIs, plus /health and /metrics."""
-    from .common import choose_models, fail, parse_block_size, warn_if_reference_blas
+    from .common import choose_models, fail, parse_block_size, prompt_cache_location, warn_if_reference_blas
 
-    for name, value, low in (("--max-queue", max_queue, 1), ("--default-max-tokens", default_max_tokens, 1),
+    for name, value, low in (("--max-queue", max_queue, 1), ("--max-concurrent", max_concurrent, 1),
+                             ("--default-max-tokens", default_max_tokens, 1),
                              ("--max-context", max_context, 2)):
         if value is not None and value < low:
             fail(f"{name} must be at least {low}, got {value}")
@@ -44,6 +48,9 @@ def serve_command(
         fail(f"--port must be in 0..65535, got {port}")
     if prefix_cache_gb < 0:
         fail(f"--prefix-cache-gb must be >= 0, got {prefix_cache_gb}")
+    if prompt_cache_gb < 0:
+        fail(f"--prompt-cache-gb must be >= 0, got {prompt_cache_gb}")
+    cache_dir = prompt_cache_location(prompt_cache_dir)
     if request_timeout <= 0:
         fail(f"--request-timeout must be > 0, got {request_timeout}")
     levels = {"critical", "error", "warning", "info", "debug"}
@@ -80,12 +87,14 @@ def serve_command(
     bound_port = sock.getsockname()[1]
     config = ServerConfig(
         model=choice.target, draft_model=choice.drafter, api_key=api_key, allowed_origins=origins,
-        max_queue=max_queue, max_context=max_context, served_model_names=served_model_name,
-        prefix_cache_gb=prefix_cache_gb, request_timeout=request_timeout, default_max_tokens=default_max_tokens,
+        max_queue=max_queue, max_concurrent=max_concurrent, max_context=max_context, served_model_names=served_model_name,
+        prefix_cache_gb=prefix_cache_gb, prompt_cache_dir=cache_dir, prompt_cache_gb=prompt_cache_gb,
+        request_timeout=request_timeout, default_max_tokens=default_max_tokens,
         model_name=model_name_for(choice.target),
     )
-    worker = Worker(config.model, config.draft_model, max_queue=max_queue, max_context=max_context,
-                    prefix_cache_bytes=int(prefix_cache_gb * 2**30), block_size=pinned)
+    worker = Worker(config.model, config.draft_model, max_queue=max_queue, max_concurrent=max_concurrent,
+                    max_context=max_context, prefix_cache_bytes=int(prefix_cache_gb * 2**30),
+                    prompt_cache_dir=cache_dir, prompt_cache_bytes=int(prompt_cache_gb * 2**30), block_size=pinned)
     app = create_app(config, worker)
     server = _Server(uvicorn.Config(app, log_level=log_level.lower(), timeout_graceful_shutdown=15,
                                     timeout_keep_alive=30, lifespan="on"), worker)
@@ -137,7 +146,7 @@ def _server_class():
 
     class Server(uvicorn.Server):
         """uvicorn's server; a first SIGINT/SIGTERM stops the worker (queued requests get 503, the
-        running generation is cancelled and its stream ends normally), then uvicorn drains the
+        active generations are cancelled and their streams end normally), then uvicorn drains the
         connections. The process exits 0 instead of re-raising the signal."""
 
         def __init__(self, config, worker):

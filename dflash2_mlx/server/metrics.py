@@ -70,7 +70,12 @@ class Metrics:
         self.prefix_cache_entries = 0
         self.prefix_cache_hits = 0
         self.prefix_cache_misses = 0
+        self.prefix_cache_disk_hits = 0
+        self.prefix_cache_too_large = 0
+        self.prompt_cache_disk_bytes = 0
+        self.prompt_cache_disk_entries = 0
         self.queue_depth: Callable[[], int] = lambda: 0
+        self.active_requests: Callable[[], int] = lambda: 0
         self.state: Callable[[], str] = lambda: "loading"
 
     def request(self, route: str, status: int) -> None:
@@ -142,6 +147,7 @@ class Metrics:
                  self.cycle_tokens / self.verify_steps if self.verify_steps else 1.0),
                 ("decode_tokens_per_second", "gauge", "Decode speed of the last finished generation.", self.last_decode_tps),
                 ("queue_depth", "gauge", "Requests waiting for the generation worker.", self.queue_depth()),
+                ("active_requests", "gauge", "Requests decoding (interleaved, up to --max-concurrent).", self.active_requests()),
                 ("requests_in_flight", "gauge", "Requests being answered (queued or generating).", self.in_flight),
                 ("active_memory_bytes", "gauge", "MLX active memory, measured by the worker when idle.", self.active_memory),
                 ("baseline_memory_bytes", "gauge", "MLX active memory right after the models loaded.", self.baseline_memory),
@@ -150,6 +156,13 @@ class Metrics:
                 ("prefix_cache_entries", "gauge", "Prompt-prefix cache snapshots.", self.prefix_cache_entries),
                 ("prefix_cache_hits_total", "counter", "Prompts that reused a cached prefix.", self.prefix_cache_hits),
                 ("prefix_cache_misses_total", "counter", "Prompts that found no cached prefix.", self.prefix_cache_misses),
+                ("prefix_cache_disk_hits_total", "counter", "Cached prefixes read back from the prompt cache directory.",
+                 self.prefix_cache_disk_hits),
+                ("prefix_cache_too_large_total", "counter", "Snapshots larger than the in-memory budget (on disk only, if any).",
+                 self.prefix_cache_too_large),
+                ("prompt_cache_disk_bytes", "gauge", "Bytes in the prompt cache directory (all processes).", self.prompt_cache_disk_bytes),
+                ("prompt_cache_disk_entries", "gauge", "Snapshots of this model pair in the prompt cache directory.",
+                 self.prompt_cache_disk_entries),
                 ("uptime_seconds", "gauge", "Seconds since the server started.", time.time() - self.started),
             ]
             for name, kind, help_, value in scalars:
