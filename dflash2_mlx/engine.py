@@ -11,10 +11,11 @@ from __future__ import annotations
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Iterator, Optional, Sequence, Union
+from typing import Generator, Iterator, Optional, Sequence, Union
 
 import mlx.core as mx
 
+from .batched_verify import VerifyRequest, VerifyResult, answer_alone
 from .drafter import Drafter
 from .prefix_cache import PrefixCache, PrefixEntry
 from .profiling import CycleProfiler
@@ -338,7 +339,7 @@ def generate_autoregressive(
         token, processed = ahead
 
 
-def generate_speculative(
+def speculative_steps(
     runner: TargetRunner,
     drafter: Drafter,
     prompt: Sequence[int],
@@ -346,9 +347,10 @@ def generate_speculative(
     tokenizer=None,
     prefix_cache: Optional[PrefixCache] = None,
     save_at: Sequence[int] = (),
-) -> Iterator[GenerationEvent]:
-    """Lossless speculative decoding: greedy output equals ``generate_autoregressive``'s token for
-    token; sampled output follows exactly the target's distribution."""
+) -> Generator[Union[GenerationEvent, VerifyRequest], Optional[VerifyResult], None]:
+    """``generate_speculative``'s loop, which leaves its verify passes to its driver: it yields
+    events and, once per cycle, a ``VerifyRequest``, to be answered with ``send(VerifyResult)``
+    (``batched_verify.answer_alone`` runs each alone; a server batches several sequences')."""
     cfg = drafter.config
     block_size = settings.block_size or cfg.block_size
     if not 1 < block_size <= cfg.block_size:
@@ -420,11 +422,11 @@ def generate_speculative(
             drafter.absorb(new_features, context)
             ahead = draft_block(anchor_in, bs)
         (draft, candidates, q), ahead = ahead, None
-        # Verify: the target runs [anchor, d1..d(bs-1)] in one pass.
-        recorded = [] if hybrid else None
+        # Verify: the target runs [anchor, d1..d(bs-1)] in one pass (the driver's: alone, or
+        # batched with other sequences' passes).
         verify_in = mx.concatenate([anchor_in, draft])[None]
-        verify_logits, verify_features = runner(verify_in, cache, taps, recorded)
-        verify_logits = verify_logits[0]
+        verified = yield VerifyRequest(verify_in, cache, taps, record=hybrid)
+        verify_logits, verify_features, recorded = verified.logits[0], verified.features, verified.recorded
         if settings.logits_processors:  # row i sees committed + d1..di, as plain decoding did
             history = mx.concatenate([mx.array(committed, dtype=mx.int32), draft])
             verify_logits = apply_processors(settings.logits_processors, history, verify_logits)
@@ -484,6 +486,20 @@ def generate_speculative(
         drafter.absorb(new_features, context)
         prefix_cache.store(PrefixEntry(tuple(committed[:-1]), cache.snapshot(), context.copy(), None))
     yield out.finish(event)
+
+
+def generate_speculative(
+    runner: TargetRunner,
+    drafter: Drafter,
+    prompt: Sequence[int],
+    settings: GenerationSettings,
+    tokenizer=None,
+    prefix_cache: Optional[PrefixCache] = None,
+    save_at: Sequence[int] = (),
+) -> Iterator[GenerationEvent]:
+    """Lossless speculative decoding: greedy output equals ``generate_autoregressive``'s token for
+    token; sampled output follows exactly the target's distribution."""
+    return answer_alone(runner, speculative_steps(runner, drafter, prompt, settings, tokenizer, prefix_cache, save_at))
 
 
 def collect(events: Iterator[GenerationEvent]) -> tuple[list[int], Optional[GenerationStats]]:

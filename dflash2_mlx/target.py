@@ -294,7 +294,8 @@ class TargetRunner:
         record: Optional[list[RecurrentInputs]] = None,
         logits_from: int = 0,
     ) -> tuple[mx.array, Optional[mx.array]]:
-        """Feed ``tokens`` [1, L] after what ``cache`` holds.
+        """Feed ``tokens`` [1, L] after what ``cache`` holds (or, from ``batched_verify``, the
+        blocks of several sequences [N, L] after a batch view of their caches).
 
         Returns logits [1, L - logits_from, V] (rows that are never read are not computed; None
         when logits_from >= L) and,
@@ -335,7 +336,9 @@ class TargetRunner:
         and MLP after the KV cache update run compiled (one trace per row count), the cache
         update and the attention itself as mlx-lm does them."""
         offset = mx.array(cache.offset, dtype=mx.int32)
-        table = self._rope_table(layer.self_attn)
+        # a batch of sequences (batched_verify.RaggedKV) has an offset per sequence, which
+        # mx.fast.rope takes as an array; the table serves one sequence
+        table = self._rope_table(layer.self_attn) if isinstance(cache.offset, int) else None
         rows = ()
         if table is not None:
             if table not in rope_rows:
