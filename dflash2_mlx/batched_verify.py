@@ -14,7 +14,7 @@ same ``TargetRunner`` with a batch view of their caches:
   sequence i see exactly the keys its own pass would (its context and rows 0..j; padding rows see
   their sequence's real keys, so every softmax row is finite);
 - Gated DeltaNet layers see the sequences' conv windows and recurrent states stacked along the
-  batch axis (mlx-lm's ``ArraysCache.merge``).
+  batch axis (in mlx-lm's ``ArraysCache``).
 
 Padding rows never reach a real row: they come after every real row of their sequence (the conv
 and the recurrence are causal), they never enter a KV cache, and every other op works row by row.
@@ -87,7 +87,8 @@ def verify_batch(runner: TargetRunner, requests: Sequence[VerifyRequest]) -> lis
     sizes = [r.size for r in requests]
     width = max(sizes)
     # right-padded blocks [N, S]; the padding token is arbitrary (its rows are never read)
-    tokens = mx.concatenate([mx.pad(r.tokens.astype(mx.int32), [(0, 0), (0, width - r.size)]) for r in requests])
+    tokens = mx.concatenate([r.tokens if r.size == width else mx.pad(r.tokens, [(0, 0), (0, width - r.size)])
+                             for r in requests]).astype(mx.int32)
     batch = _BatchCache([r.cache for r in requests], sizes)
     recorded = [] if record else None
     logits, features = runner(tokens, batch, taps, recorded)
@@ -189,7 +190,7 @@ class RaggedKV:
     over right-padded blocks ``[N, S]`` of which sequence i's first ``sizes[i]`` rows are real.
 
     ``offset`` holds each sequence's position (int32 [N], as mlx-lm's ``BatchKVCache``), which
-    RoPE takes per sequence. ``update_and_fetch`` writes each sequence's real rows into its own
+    RoPE takes per sequence (``starts``: the same as ints). ``update_and_fetch`` writes each sequence's real rows into its own
     cache and returns every sequence's keys and values right-padded to the longest; ``make_mask``
     is the mask that goes with them.
     """
@@ -215,9 +216,11 @@ class RaggedKV:
         all_keys, all_values = [], []
         for i, (cache, size) in enumerate(zip(self.caches, self.sizes)):
             k, v = cache.update_and_fetch(keys[i : i + 1, :, :size], values[i : i + 1, :, :size])
-            pad = [(0, 0), (0, 0), (0, self.length - k.shape[2]), (0, 0)]
-            all_keys.append(mx.pad(k, pad))
-            all_values.append(mx.pad(v, pad))
+            if k.shape[2] < self.length:
+                pad = [(0, 0), (0, 0), (0, self.length - k.shape[2]), (0, 0)]
+                k, v = mx.pad(k, pad), mx.pad(v, pad)
+            all_keys.append(k)
+            all_values.append(v)
         return mx.concatenate(all_keys), mx.concatenate(all_values)
 
 
@@ -247,9 +250,14 @@ class _BatchCache:
 
 
 def _stacked(caches: list[ArraysCache]) -> ArraysCache:
+    """One Gated DeltaNet layer's conv windows and states stacked along the batch axis (what
+    mlx-lm's ArraysCache.merge builds, in one op per array instead of one per sequence)."""
     if any(c[0] is None or c[1] is None for c in caches):
         raise ValueError("a batched verify needs every sequence prefilled (its Gated DeltaNet state set)")
-    return ArraysCache.merge(caches)
+    stacked = ArraysCache(size=2)
+    stacked[0] = mx.concatenate([c[0] for c in caches])
+    stacked[1] = mx.concatenate([c[1] for c in caches])
+    return stacked
 
 
 def _own_recurrent_inputs(batch: _BatchCache, recorded: list[RecurrentInputs], i: int, size: int) -> list[RecurrentInputs]:
@@ -268,9 +276,9 @@ def _own_recurrent_inputs(batch: _BatchCache, recorded: list[RecurrentInputs], i
             rec.states[i : i + 1, :size] if rec.states is not None else None,
         )
         cache = batch.sequences[i][j]
-        cache[0] = mine.conv_input[:, size : size + window]
-        if mine.states is not None:
-            cache[1] = mine.states[:, size - 1]
+        cache[0] = rec.conv_input[i : i + 1, size : size + window]
+        if rec.states is not None:
+            cache[1] = rec.states[i : i + 1, size - 1]
         elif size == rec.q.shape[1]:
             cache[1] = batch.layers[j][1][i : i + 1]
         else:  # padded: the state after its own last row (lazy: rollback usually replaces it)

@@ -336,14 +336,11 @@ class TargetRunner:
         and MLP after the KV cache update run compiled (one trace per row count), the cache
         update and the attention itself as mlx-lm does them."""
         offset = mx.array(cache.offset, dtype=mx.int32)
-        # a batch of sequences (batched_verify.RaggedKV) has an offset per sequence, which
-        # mx.fast.rope takes as an array; the table serves one sequence
-        table = self._rope_table(layer.self_attn) if isinstance(cache.offset, int) else None
+        table = self._rope_table(layer.self_attn)
         rows = ()
         if table is not None:
             if table not in rope_rows:
-                start = mx.array([cache.offset], dtype=mx.int32)
-                rope_rows[table] = rope.table_rows(table.covering(cache.offset + h.shape[1]), start, h.shape[1])
+                rope_rows[table] = _pass_rope_rows(table, cache, h.shape[1])
             rows = rope_rows[table]
         if h.shape[1] <= COMPILED_MAX_ROWS:
             before, after = self._compiled.get(("attention", i), (None, None))
@@ -390,6 +387,16 @@ class TargetRunner:
             record.append(RecurrentInputs(
                 conv_input, q, k, v, a, b, state, gdn.A_log, gdn.dt_bias, states if keep else None))
         return h
+
+
+def _pass_rope_rows(table: rope.RopeTable, cache, rows: int) -> tuple[mx.array, mx.array]:
+    """cos, sin of a pass's positions after ``cache``: [rows, dims / 2] for one sequence, or
+    [N, 1, rows, dims / 2] after a batch of sequences (``batched_verify.RaggedKV``: an offset per
+    sequence, int32 [N], and ``starts``, the same as ints)."""
+    if isinstance(cache.offset, int):
+        start = mx.array([cache.offset], dtype=mx.int32)
+        return rope.table_rows(table.covering(cache.offset + rows), start, rows)
+    return rope.table_rows_at(table.covering(max(cache.starts) + rows), cache.offset, rows)
 
 
 def gated_delta_layer(layer: nn.Module, h: mx.array, conv_state: mx.array, state: Optional[mx.array],
