@@ -12,14 +12,17 @@ decode cycle count. Reported per N: total tok/s in each mode (mean tokens per ro
 round time; also tokens / time over all its rounds), per request (that / N, all running at
 once), the median ms per round, the on / off ratio,
 and whether every output equals its solo run (it must: the mode changes no numbers). Also the
-verify pass alone: one batched pass over N blocks of 8 rows against N passes (in turn, the fastest of 15).
+verify pass alone: one batched pass over N blocks of 8 rows against N passes (in turn, the fastest
+of 15, and the number of MLX ops each runs).
 """
 
 from __future__ import annotations
 
 import argparse
+import io
 import json
 import random
+import re
 import statistics
 import sys
 import time
@@ -28,9 +31,17 @@ from pathlib import Path
 import dflash2_mlx  # noqa: F401  (OpenBLAS before mlx.core)
 
 import mlx.core as mx
+from mlx.utils import tree_flatten
 
 from dflash2_mlx.batched_verify import VerifyRequest, step_together, verify_batch, verify_one
 from dflash2_mlx.engine import GenerationSettings, collect, generate_speculative, prefill, speculative_steps
+
+
+def op_count(*outputs: mx.array) -> int:
+    """Primitives MLX would run to compute ``outputs`` from what is already evaluated."""
+    dot = io.StringIO()
+    mx.export_to_dot(dot, *outputs)
+    return len(re.findall(r'label ="[A-Za-z]+', dot.getvalue()))
 
 
 def load(args):
@@ -90,20 +101,28 @@ def verify_pass_ms(runner, drafter, prompts, n: int, repeats: int) -> dict:
             cache.restore(snap)
         return [VerifyRequest(b, c, taps, True) for b, (c, _) in zip(blocks, snaps)]
 
-    def run(batched: bool) -> float:
+    def run(batched: bool, count: bool = False):
         reqs = requests()
         t0 = time.perf_counter()
         results = verify_batch(runner, reqs) if batched else [verify_one(runner, r) for r in reqs]
-        mx.eval([(r.logits, r.features, r.recorded) for r in results])
-        return 1000 * (time.perf_counter() - t0)
+        # what a cycle reads: logits, features, and each cache's new conv windows and states
+        outputs = [[r.logits, r.features] for r in results] + [
+            [layer.keys, layer.values] if kind == "attention" else list(layer.cache)
+            for c, _ in snaps for kind, layer in zip(c.kinds, c.layers)]
+        ops = op_count(*[a for _, a in tree_flatten(outputs)]) if count else None
+        mx.eval(outputs)
+        return ops if count else 1000 * (time.perf_counter() - t0)
 
     run(True), run(False)  # warm-up: traces for these shapes
     times = {True: [], False: []}
     for _ in range(repeats):
         for batched in (True, False):
             times[batched].append(run(batched))
-    # the fastest of each: contention on a shared machine only ever adds time
-    return {"batched_ms": min(times[True]), "separate_ms": min(times[False])}
+    # the fastest of each: contention on a shared machine only ever adds time; and the op counts,
+    # which on this CPU backend set a small model's pass time (every op costs ~5-15 us) and do
+    # not depend on the machine's load
+    return {"batched_ms": min(times[True]), "separate_ms": min(times[False]),
+            "batched_ops": run(True, count=True), "separate_ops": run(False, count=True)}
 
 
 def main(argv=None) -> int:
@@ -148,7 +167,8 @@ def main(argv=None) -> int:
         print(f"N={n}: on {row['on']['total_tps']:.1f} tok/s ({row['on']['per_request_tps']:.1f} per request), "
               f"off {row['off']['total_tps']:.1f} tok/s ({row['off']['per_request_tps']:.1f} per request), "
               f"on/off {row['on_over_off']:.2f}x; verify pass {row['verify_pass']['batched_ms']:.1f} ms batched vs "
-              f"{row['verify_pass']['separate_ms']:.1f} ms separate; identical {row['identical_to_solo']}",
+              f"{row['verify_pass']['separate_ms']:.1f} ms separate ({row['verify_pass']['batched_ops']} vs "
+              f"{row['verify_pass']['separate_ops']} ops); identical {row['identical_to_solo']}",
               file=sys.stderr)
     report = {"settings": {"max_tokens": args.max_tokens, "block_size": args.block_size or drafter.config.block_size,
                            "repeats": args.repeats}, "rows": rows}
