@@ -10,7 +10,8 @@ seeded coin, and is timed on its own: the two modes interleave round by round wi
 so a slow spell of this shared machine hits both alike. Only rounds in which every request ran a
 decode cycle count. Reported per N: total tok/s in each mode (mean tokens per round / the median
 round time; also tokens / time over all its rounds), per request (that / N, all running at
-once), the median ms per round, the on / off ratio,
+once), the median ms per round, the on / off ratio, the same by the process's CPU time per round
+(all its threads: the work a round took, whatever else the machine ran),
 and whether every output equals its solo run (it must: the mode changes no numbers). Also the
 verify pass alone: one batched pass over N blocks of 8 rows against N passes (in turn, the fastest
 of 15, and the number of MLX ops each runs).
@@ -59,18 +60,18 @@ def load(args):
 
 def decode_alternating(runner, drafter, prompts, settings, seed: int) -> tuple[dict, list[list[int]]]:
     """Decode the prompts together, each round (a cycle of every request) batched or not by a
-    seeded coin, and time each round -> per mode [(seconds, tokens) per round], and each request's
+    seeded coin, and time each round -> per mode [(seconds, tokens, process CPU seconds) per round], and each request's
     tokens. Only rounds in which every request ran a decode cycle count (not the prefill's)."""
     rng = random.Random(seed)
     loops = [speculative_steps(runner, drafter, p, settings) for p in prompts]
     tokens = [[] for _ in prompts]
-    rounds = {True: [], False: []}  # per mode: (seconds, tokens) of each counted round
+    rounds = {True: [], False: []}  # per mode: (seconds, tokens, CPU seconds) of each counted round
     active = list(range(len(loops)))
     while active:
         batch = rng.random() < 0.5
-        t0 = time.perf_counter()
+        t0, cpu0 = time.perf_counter(), time.process_time()
         steps = step_together(runner, [loops[i] for i in active], batch)
-        seconds = time.perf_counter() - t0
+        seconds, cpu = time.perf_counter() - t0, time.process_time() - cpu0
         cycles = 0
         for i, step in zip(list(active), steps):
             if step.error is not None:
@@ -81,7 +82,7 @@ def decode_alternating(runner, drafter, prompts, settings, seed: int) -> tuple[d
             tokens[i] += step.event.tokens
             cycles += step.event.accepted is not None
         if cycles == len(prompts):
-            rounds[batch].append((seconds, sum(len(s.event.tokens) for s in steps)))
+            rounds[batch].append((seconds, sum(len(s.event.tokens) for s in steps), cpu))
     return rounds, tokens
 
 
@@ -152,7 +153,7 @@ def main(argv=None) -> int:
                 rounds[mode] += run[mode]
         row = {"concurrency": n, "identical_to_solo": identical}
         for batch, label in ((True, "on"), (False, "off")):
-            seconds, tokens = [s for s, _ in rounds[batch]], [t for _, t in rounds[batch]]
+            seconds, tokens, cpu = ([r[k] for r in rounds[batch]] for k in range(3))
             # a round's time is heavy-tailed on a shared machine (descheduled spells): the median
             # round against the mean tokens per round (which the mode does not change)
             median_s = statistics.median(seconds)
@@ -160,13 +161,18 @@ def main(argv=None) -> int:
                           "tokens_per_round": statistics.mean(tokens),
                           "total_tps": statistics.mean(tokens) / median_s,
                           "per_request_tps": statistics.mean(tokens) / median_s / n,
-                          "total_tps_all_time": sum(tokens) / sum(seconds)}
+                          "total_tps_all_time": sum(tokens) / sum(seconds),
+                          # CPU time of all this process's threads: what the round cost in work,
+                          # whatever else the shared machine ran meanwhile
+                          "cpu_ms_per_round_median": 1000 * statistics.median(cpu),
+                          "total_tps_by_cpu": statistics.mean(tokens) / statistics.median(cpu)}
         row["on_over_off"] = row["on"]["total_tps"] / row["off"]["total_tps"]
+        row["on_over_off_by_cpu"] = row["on"]["total_tps_by_cpu"] / row["off"]["total_tps_by_cpu"]
         row["verify_pass"] = verify_pass_ms(runner, drafter, prompts, n, 15)
         rows.append(row)
         print(f"N={n}: on {row['on']['total_tps']:.1f} tok/s ({row['on']['per_request_tps']:.1f} per request), "
               f"off {row['off']['total_tps']:.1f} tok/s ({row['off']['per_request_tps']:.1f} per request), "
-              f"on/off {row['on_over_off']:.2f}x; verify pass {row['verify_pass']['batched_ms']:.1f} ms batched vs "
+              f"on/off {row['on_over_off']:.2f}x (by CPU time {row['on_over_off_by_cpu']:.2f}x); verify pass {row['verify_pass']['batched_ms']:.1f} ms batched vs "
               f"{row['verify_pass']['separate_ms']:.1f} ms separate ({row['verify_pass']['batched_ops']} vs "
               f"{row['verify_pass']['separate_ops']} ops); identical {row['identical_to_solo']}",
               file=sys.stderr)
