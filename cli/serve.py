@@ -21,6 +21,7 @@ def serve_command(
     api_key: Optional[str] = typer.Option(None, "--api-key", envvar="DFLASH2_API_KEY", help="Require this key: 'Authorization: Bearer KEY' (OpenAI routes) or 'x-api-key: KEY' (/v1/messages)."),
     allowed_origins: List[str] = typer.Option([], "--allowed-origins", help="Enable CORS for these browser origins (repeatable or comma-separated; '*' for any). Off by default."),
     max_queue: int = typer.Option(64, "--max-queue", help="Requests that may wait for the generation worker; more get 429 with Retry-After."),
+    max_concurrent: int = typer.Option(4, "--max-concurrent", help="Requests that decode at once, taking turns cycle by cycle; more wait in the queue."),
     max_context: Optional[int] = typer.Option(None, "--max-context", help="Refuse prompts of this many tokens or more (default: the model's context)."),
     served_model_name: List[str] = typer.Option([], "--served-model-name", help="Extra model name(s) clients may use (repeatable); listed by /v1/models."),
     no_draft: bool = typer.Option(False, "--no-draft", help="Serve with plain autoregressive decoding (no drafter)."),
@@ -33,7 +34,8 @@ def serve_command(
     Anthropic (/v1/messages) APIs, plus /health and /metrics."""
     from .common import choose_models, fail
 
-    for name, value, low in (("--max-queue", max_queue, 1), ("--default-max-tokens", default_max_tokens, 1),
+    for name, value, low in (("--max-queue", max_queue, 1), ("--max-concurrent", max_concurrent, 1),
+                             ("--default-max-tokens", default_max_tokens, 1),
                              ("--max-context", max_context, 2)):
         if value is not None and value < low:
             fail(f"{name} must be at least {low}, got {value}")
@@ -67,12 +69,12 @@ def serve_command(
     bound_port = sock.getsockname()[1]
     config = ServerConfig(
         model=choice.target, draft_model=choice.drafter, api_key=api_key, allowed_origins=origins,
-        max_queue=max_queue, max_context=max_context, served_model_names=served_model_name,
+        max_queue=max_queue, max_concurrent=max_concurrent, max_context=max_context, served_model_names=served_model_name,
         prefix_cache_gb=prefix_cache_gb, request_timeout=request_timeout, default_max_tokens=default_max_tokens,
         model_name=model_name_for(choice.target),
     )
-    worker = Worker(config.model, config.draft_model, max_queue=max_queue, max_context=max_context,
-                    prefix_cache_bytes=int(prefix_cache_gb * 2**30))
+    worker = Worker(config.model, config.draft_model, max_queue=max_queue, max_concurrent=max_concurrent,
+                    max_context=max_context, prefix_cache_bytes=int(prefix_cache_gb * 2**30))
     app = create_app(config, worker)
     server = _Server(uvicorn.Config(app, log_level=log_level.lower(), timeout_graceful_shutdown=15,
                                     timeout_keep_alive=30, lifespan="on"), worker)
@@ -124,7 +126,7 @@ def _server_class():
 
     class Server(uvicorn.Server):
         """uvicorn's server; a first SIGINT/SIGTERM stops the worker (queued requests get 503, the
-        running generation is cancelled and its stream ends normally), then uvicorn drains the
+        active generations are cancelled and their streams end normally), then uvicorn drains the
         connections. The process exits 0 instead of re-raising the signal."""
 
         def __init__(self, config, worker):

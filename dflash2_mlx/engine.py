@@ -40,6 +40,9 @@ class GenerationSettings:
     prefill_step_size: int = 512
     logprobs: int = 0  # 0: off; n: each token's log-probability and the top n alternatives
     cancel: Optional[threading.Event] = None  # set it to stop (checked between chunks and cycles)
+    # An empty event between prefill chunks, so that a caller interleaving several generations
+    # (the server's scheduler) can run others' cycles while a long prompt is read.
+    yield_during_prefill: bool = False
     # bench --profile: time per cycle phase (adds host syncs, and drafts every block after the
     # previous cycle's sync instead of ahead of it, so that the phases do not overlap)
     profiler: Optional[CycleProfiler] = None
@@ -202,6 +205,16 @@ def prefill(
     stored prefix of the prompt is restored first, and snapshots are stored at each position of
     ``save_at`` and at the end of the prompt (chunks are split there).
     """
+    chunks = _prefill_chunks(runner, prompt, settings, drafter, prefix_cache, save_at)
+    while True:
+        try:
+            next(chunks)
+        except StopIteration as done:
+            return done.value
+
+
+def _prefill_chunks(runner, prompt, settings, drafter, prefix_cache, save_at):
+    """``prefill`` as a generator: yields after each chunk but the last, returns prefill's result."""
     total = len(prompt)
     cache = runner.make_cache()
     context = drafter.make_cache() if drafter is not None else None
@@ -230,6 +243,8 @@ def prefill(
                 drafter.absorb(features[:, first - pos:], context)
             mx.eval([c.state for c in cache.layers], [a for a in [logits, *(context.keys if context else [])] if a is not None])
             pos = end
+            if pos < total:
+                yield
         if prefix_cache is not None:
             prefix_cache.store(PrefixEntry(
                 tuple(prompt[:point]), cache.snapshot(),
@@ -283,9 +298,18 @@ def _start(runner, prompt, settings, tokenizer):
 
 def _prefill_and_pick(runner, prompt, settings, out, drafter, prefix_cache, save_at):
     """Prefill, then the first generated token -> (cache, context, token, processed logits), or
-    None when cancelled during prefill."""
+    None when cancelled during prefill. A generator: with ``settings.yield_during_prefill`` it
+    yields an empty event between prefill chunks (use it with ``yield from``)."""
+    chunks = _prefill_chunks(runner, prompt, settings, drafter, prefix_cache, save_at)
     try:
-        logits, cache, context, out.stats.cached_tokens = prefill(runner, prompt, settings, drafter, prefix_cache, save_at)
+        while True:
+            try:
+                next(chunks)
+            except StopIteration as done:
+                logits, cache, context, out.stats.cached_tokens = done.value
+                break
+            if settings.yield_during_prefill:
+                yield GenerationEvent([], "", elapsed=time.perf_counter() - out.t_start)
     except Cancelled:
         return None
     token, processed = _pick(logits, list(prompt), settings)
@@ -304,7 +328,7 @@ def generate_autoregressive(
 ) -> Iterator[GenerationEvent]:
     """Plain decoding with the same target, processing and events (the baseline)."""
     settings, stats, out = _start(runner, prompt, settings, tokenizer)
-    first = _prefill_and_pick(runner, prompt, settings, out, None, prefix_cache, save_at)
+    first = yield from _prefill_and_pick(runner, prompt, settings, out, None, prefix_cache, save_at)
     if first is None:
         yield out.cancel()
         return
@@ -360,7 +384,7 @@ def speculative_steps(
     taps = cfg.target_layer_ids
     stats.accepted_by_position = [0] * (block_size - 1)
     stats.drafted_by_position = [0] * (block_size - 1)
-    first = _prefill_and_pick(runner, prompt, settings, out, drafter, prefix_cache, save_at)
+    first = yield from _prefill_and_pick(runner, prompt, settings, out, drafter, prefix_cache, save_at)
     if first is None:
         yield out.cancel()
         return

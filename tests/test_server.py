@@ -28,7 +28,7 @@ def server(embedded_pair, tmp_path_factory):
     target, drafter = embedded_pair
     log = tmp_path_factory.mktemp("serve") / "server.log"
     args = ["--model", str(target), "--draft-model", str(drafter), "--api-key", KEY,
-            "--served-model-name", "target", "--served-model-name", "tiny-alias", "--max-context", str(MAX_CONTEXT), "--max-queue", "2",
+            "--served-model-name", "target", "--served-model-name", "tiny-alias", "--max-context", str(MAX_CONTEXT), "--max-queue", "2", "--max-concurrent", "2",
             "--default-max-tokens", "16", "--request-timeout", "60"]
     with running_server(args, log) as srv:
         yield srv
@@ -296,7 +296,7 @@ def test_queue_full_429_and_disconnect_cancels(server):
     while labelled(server.base, "dflash2_mlx_generations_total").get('{finish_reason="cancelled"}', 0) <= before:
         assert time.monotonic() < deadline, "the disconnected request was not cancelled"
         time.sleep(0.05)
-    # 6 concurrent requests, one running and --max-queue 2 waiting: the rest get 429 + Retry-After.
+    # 8 concurrent requests, --max-concurrent 2 decoding and --max-queue 2 waiting: the rest get 429 + Retry-After.
     statuses = []
 
     def one(_):
@@ -304,8 +304,8 @@ def test_queue_full_429_and_disconnect_cancels(server):
                        json={**body, "stream": False, "max_tokens": 60})
         statuses.append((r.status_code, r.headers.get("retry-after"), r.json()))
 
-    with ThreadPoolExecutor(6) as pool:
-        list(pool.map(one, range(6)))
+    with ThreadPoolExecutor(8) as pool:
+        list(pool.map(one, range(8)))
     codes = sorted(s for s, _, _ in statuses)
     assert 200 in codes and 429 in codes, codes
     for status, retry, body_ in statuses:
@@ -572,7 +572,7 @@ def test_loading_503_timeouts_and_internal_errors(tiny_checkpoints, monkeypatch)
 
     target = tiny_checkpoints[0]
     gate = threading.Event()
-    worker = Worker(str(target), None, max_queue=4, max_context=4096, prefix_cache_bytes=0,
+    worker = Worker(str(target), None, max_queue=4, max_concurrent=1, max_context=4096, prefix_cache_bytes=0,
                     loader=lambda: (gate.wait(60), load_target(str(target)))[1:] + (None,))
     app = create_app(ServerConfig(model=str(target), request_timeout=1.0), worker)
     body = {"model": "target", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 100000}
@@ -586,14 +586,14 @@ def test_loading_503_timeouts_and_internal_errors(tiny_checkpoints, monkeypatch)
         r = c.post("/v1/chat/completions", json=body)
         assert r.status_code == 200 and r.json()["choices"][0]["finish_reason"] == "length"
         assert 0 < r.json()["usage"]["completion_tokens"] < 4000 and time.monotonic() - t0 < 10
-        # the worker busy for 2.5 s: a second request times out in the queue
-        real_serve = worker._serve
+        # the worker (one request at a time) busy for 2.5 s: a second request times out in the queue
+        real_admit = worker._admit
 
-        def slow_serve(job):
+        def slow_admit(job):
             time.sleep(2.5)
-            real_serve(job)
+            return real_admit(job)
 
-        monkeypatch.setattr(worker, "_serve", slow_serve)
+        monkeypatch.setattr(worker, "_admit", slow_admit)
         with ThreadPoolExecutor(2) as pool:
             first = pool.submit(c.post, "/v1/chat/completions", json={**body, "max_tokens": 2})
             time.sleep(0.3)
@@ -601,7 +601,7 @@ def test_loading_503_timeouts_and_internal_errors(tiny_checkpoints, monkeypatch)
             r2 = second.result(30)
             assert r2.status_code == 503 and r2.json()["error"]["code"] == "queue_timeout", r2.text
             assert first.result(30).status_code == 200
-        monkeypatch.setattr(worker, "_serve", real_serve)
+        monkeypatch.setattr(worker, "_admit", real_admit)
 
         def boom(*a, **k):
             raise RuntimeError("boom")

@@ -44,6 +44,7 @@ class ServerConfig:
     api_key: Optional[str] = None
     allowed_origins: Sequence[str] = ()
     max_queue: int = 64
+    max_concurrent: int = 4
     max_context: Optional[int] = None
     served_model_names: Sequence[str] = ()
     prefix_cache_gb: float = 2.0
@@ -158,7 +159,8 @@ def create_app(config: ServerConfig, worker: Optional[Worker] = None, metrics: O
     """The app; the worker (models load on its thread) starts with the app's lifespan."""
     metrics = metrics or (worker.metrics if worker is not None else Metrics())
     if worker is None:
-        worker = Worker(config.model, config.draft_model, max_queue=config.max_queue, max_context=config.max_context,
+        worker = Worker(config.model, config.draft_model, max_queue=config.max_queue,
+                        max_concurrent=config.max_concurrent, max_context=config.max_context,
                         prefix_cache_bytes=int(config.prefix_cache_gb * 2**30), metrics=metrics)
     name = config.model_name or model_name_for(config.model)
     names = [name] + [n for n in config.served_model_names if n and n != name]
@@ -250,7 +252,7 @@ def create_app(config: ServerConfig, worker: Optional[Worker] = None, metrics: O
     @app.get("/health")
     async def health():
         body = {"status": {"ready": "ok"}.get(worker.state, worker.state), "model": name,
-                "queue_depth": worker.queue_depth(), "busy": worker.busy()}
+                "queue_depth": worker.queue_depth(), "active": worker.active_requests(), "busy": worker.busy()}
         if worker.error:
             body["error"] = worker.error
         return JSONResponse(body, status_code=200 if worker.state == "ready" else 503)

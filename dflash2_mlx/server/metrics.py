@@ -69,6 +69,7 @@ class Metrics:
         self.prefix_cache_hits = 0
         self.prefix_cache_misses = 0
         self.queue_depth: Callable[[], int] = lambda: 0
+        self.active_requests: Callable[[], int] = lambda: 0
         self.state: Callable[[], str] = lambda: "loading"
 
     def request(self, route: str, status: int) -> None:
@@ -127,6 +128,7 @@ class Metrics:
                  self.cycle_tokens / self.verify_steps if self.verify_steps else 1.0),
                 ("decode_tokens_per_second", "gauge", "Decode speed of the last finished generation.", self.last_decode_tps),
                 ("queue_depth", "gauge", "Requests waiting for the generation worker.", self.queue_depth()),
+                ("active_requests", "gauge", "Requests decoding (interleaved, up to --max-concurrent).", self.active_requests()),
                 ("requests_in_flight", "gauge", "Requests being answered (queued or generating).", self.in_flight),
                 ("active_memory_bytes", "gauge", "MLX active memory, measured by the worker when idle.", self.active_memory),
                 ("baseline_memory_bytes", "gauge", "MLX active memory right after the models loaded.", self.baseline_memory),

@@ -1,7 +1,9 @@
 """The one generation thread: it loads the models, owns them, the prefix cache and every MLX call.
 
-Requests wait in a bounded FIFO queue. Each ``Job`` is answered through an asyncio queue on the
-event loop that submitted it: ``("start", None)`` when the worker picks it up, ``("event",
+Requests wait in a bounded FIFO queue; up to ``max_concurrent`` of them are active at once and
+take turns, one engine step each (a prefill chunk or a decode cycle), in the order
+``scheduler.RoundRobin`` gives. Each ``Job`` is answered through an asyncio queue on the event
+loop that submitted it: ``("start", None)`` when the worker admits it, ``("event",
 GenerationEvent)`` per engine event, ``("error", APIError)`` on failure, and ``("end", None)``
 last. A job's ``cancel`` event (set on client disconnect, timeout or shutdown) is checked by the
 engine between prefill chunks and between cycles.
@@ -17,10 +19,11 @@ import time
 from collections import deque
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Iterator, Optional
 
 from .errors import APIError
 from .metrics import Metrics
+from .scheduler import RoundRobin
 
 log = logging.getLogger("dflash2_mlx.server")
 
@@ -52,6 +55,16 @@ class Job:
         self.cancel.set()
 
 
+@dataclass
+class Active:
+    """A job the worker has admitted: its generation, open between steps."""
+
+    job: Job
+    events: Iterator  # the engine's generator; next() runs one step
+    started: float  # perf_counter() at admission
+    ttft: Optional[float] = None
+
+
 class Worker:
     def __init__(
         self,
@@ -59,6 +72,7 @@ class Worker:
         draft_model: Optional[str],
         *,
         max_queue: int = 64,
+        max_concurrent: int = 4,
         max_context: Optional[int] = None,
         prefix_cache_bytes: int = 2 * 2**30,
         metrics: Optional[Metrics] = None,
@@ -67,6 +81,7 @@ class Worker:
     ):
         self.model_path, self.draft_path = model, draft_model
         self.max_queue = max_queue
+        self.max_concurrent = max_concurrent
         self.max_context_limit = max_context
         self.prefix_cache_bytes = prefix_cache_bytes
         self.metrics = metrics or Metrics()
@@ -76,7 +91,7 @@ class Worker:
         self.error: Optional[str] = None
         self._cond = threading.Condition()
         self._queue: deque[Job] = deque()
-        self._current: Optional[Job] = None
+        self._active: RoundRobin[Active] = RoundRobin(max_concurrent)  # changed under _cond
         self._clear_requested = False
         self._thread = threading.Thread(target=self._run, name="dflash2-generation", daemon=True)
         # Set once loaded (read by request handlers, never mutated afterwards).
@@ -87,6 +102,7 @@ class Worker:
         self.defaults: dict = {}
         self.ready = threading.Event()
         self.metrics.queue_depth = self.queue_depth
+        self.metrics.active_requests = self.active_requests
         self.metrics.state = lambda: self.state
 
     # ---- called from the event loop -----------------------------------------------------------
@@ -97,8 +113,11 @@ class Worker:
     def queue_depth(self) -> int:
         return len(self._queue)
 
+    def active_requests(self) -> int:
+        return len(self._active)
+
     def busy(self) -> bool:
-        return self._current is not None or bool(self._queue)
+        return len(self._active) > 0 or bool(self._queue)
 
     def submit(self, job: Job) -> None:
         with self._cond:
@@ -130,20 +149,20 @@ class Worker:
             self._cond.notify()
 
     def shutdown(self) -> None:
-        """Stop taking work: waiting jobs get a 503, the running one is cancelled (it ends cleanly)."""
+        """Stop taking work: waiting jobs get a 503, the active ones are cancelled (they end cleanly)."""
         with self._cond:
             if self.state in ("ready", "loading"):
                 self.state = "stopping"
             waiting, self._queue = list(self._queue), deque()
-            current = self._current
+            active = [a.job for a in self._active.active()]
             self._cond.notify_all()
         for job in waiting:
             job.state = "done"
             job.stop("shutdown")
             job.emit("error", APIError(503, "the server is shutting down", code="shutting_down"))
             job.emit("end")
-        if current is not None:
-            current.stop("shutdown")
+        for job in active:
+            job.stop("shutdown")
 
     def join(self, timeout: Optional[float] = None) -> None:
         if self._thread.is_alive():
@@ -172,27 +191,31 @@ class Worker:
                  f" with drafter {self.drafter.path}" if self.drafter is not None else " (no drafter)")
         while True:
             with self._cond:
-                while not self._queue and self.state == "ready" and not self._clear_requested:
+                while not self._queue and not len(self._active) and self.state == "ready" and not self._clear_requested:
                     if not self._cond.wait(timeout=5.0):
                         self._refresh_gauges()
-                if self._clear_requested and not self._queue:
-                    self._clear_requested = False
-                    clear = True
-                else:
-                    clear = False
-                if not clear and not self._queue:
-                    return  # stopping and drained
-                job = None if clear else self._queue.popleft()
-                self._current = job
+                idle = not self._queue and not len(self._active)
+                clear = self._clear_requested and idle
+                self._clear_requested &= not clear
+                if idle and not clear:
+                    break  # stopping and drained
+                room = self._active.max_active - len(self._active)
+                admitted = [self._queue.popleft() for _ in range(min(room, len(self._queue)))]
             if clear:
                 self._clear_prefix_cache()
                 continue
-            try:
-                self._serve(job)
-            finally:
+            for job in admitted:
+                active = self._admit(job)
+                if active is not None:
+                    with self._cond:
+                        self._active.add(active)
+            with self._cond:
+                group = self._active.next_group(1)
+            for active in group:
+                done = self._step(active)
                 with self._cond:
-                    self._current = None
-                    idle = not self._queue
+                    (self._active.finished if done else self._active.requeue)(active)
+                    idle = not self._queue and not len(self._active)
                 if idle:
                     self._release_memory()
 
@@ -224,21 +247,23 @@ class Worker:
         self.metrics.baseline_memory = mx.get_active_memory()
         self._refresh_gauges()
 
-    def _serve(self, job: Job) -> None:
-        from dflash2_mlx.engine import Cancelled, PromptTooLong, generate_autoregressive, generate_speculative
+    def _admit(self, job: Job) -> Optional[Active]:
+        """Open the job's generation (nothing runs yet); None when it ended already."""
+        from dataclasses import replace
+
+        from dflash2_mlx.engine import generate_autoregressive, generate_speculative
 
         from .params import to_settings
 
         if job.cancel.is_set():
             job.state = "done"
             job.emit("end")
-            return
+            return None
         job.state = "running"
         job.emit("start")
-        t0 = time.perf_counter()
-        ttft = None
         try:
             settings = to_settings(job.params, self.tokenizer, job.cancel, len(job.prompt))
+            settings = replace(settings, yield_during_prefill=True)  # others step between its chunks
             runner, tok = self.target.runner, self.tokenizer
             if self.drafter is not None:
                 events = generate_speculative(runner, self.drafter, job.prompt, settings, tok,
@@ -246,27 +271,53 @@ class Worker:
             else:
                 events = generate_autoregressive(runner, job.prompt, settings, tok,
                                                  prefix_cache=self.prefix_cache, save_at=job.save_at)
-            for event in events:
-                if ttft is None and event.tokens:
-                    ttft = time.perf_counter() - t0
-                if event.accepted is not None:
-                    self.metrics.cycle(len(event.tokens))
-                if event.stats is not None:
-                    self.metrics.finished(event.stats, ttft)
+        except Exception as e:
+            self._fail(job, e)
+            return None
+        return Active(job, events, time.perf_counter())
+
+    def _step(self, active: Active) -> bool:
+        """Run one step of an active job and hand its event over; True when the job has ended."""
+        job = active.job
+        try:
+            event = next(active.events)
+        except StopIteration:
+            event = None
+        except Exception as e:
+            self._fail(job, e)
+            return True
+        if event is not None:
+            if active.ttft is None and event.tokens:
+                active.ttft = time.perf_counter() - active.started
+            if event.accepted is not None:
+                self.metrics.cycle(len(event.tokens))
+            if event.stats is not None:
+                self.metrics.finished(event.stats, active.ttft)
+            if event.tokens or event.text or event.stats is not None:  # not a pause between prefill chunks
                 job.emit("event", event)
-        except Cancelled:
-            job.emit("cancelled")
-        except PromptTooLong as e:
-            job.emit("error", APIError(400, str(e), code="context_length_exceeded", param="messages"))
-        except ValueError as e:
-            job.emit("error", APIError(400, str(e), code="invalid_value"))
-        except Exception:
-            log.exception("request %s: generation failed", job.id)
-            job.emit("error", APIError(500, f"internal error while generating; see the server log for request id {job.id}",
-                                       code="internal_error"))
-        finally:
+        if event is None or event.stats is not None:
+            active.events.close()
             job.state = "done"
             job.emit("end")
+            return True
+        return False
+
+    def _fail(self, job: Job, e: Exception) -> None:
+        """End a job on an exception from the engine: the client's fault is a 400, ours a 500."""
+        from dflash2_mlx.engine import Cancelled, PromptTooLong
+
+        if isinstance(e, Cancelled):
+            job.emit("cancelled")
+        elif isinstance(e, PromptTooLong):
+            job.emit("error", APIError(400, str(e), code="context_length_exceeded", param="messages"))
+        elif isinstance(e, ValueError):
+            job.emit("error", APIError(400, str(e), code="invalid_value"))
+        else:
+            log.error("request %s: generation failed", job.id, exc_info=e)
+            job.emit("error", APIError(500, f"internal error while generating; see the server log for request id {job.id}",
+                                       code="internal_error"))
+        job.state = "done"
+        job.emit("end")
 
     def _release_memory(self) -> None:
         import mlx.core as mx
