@@ -190,9 +190,9 @@ class RaggedKV:
     over right-padded blocks ``[N, S]`` of which sequence i's first ``sizes[i]`` rows are real.
 
     ``offset`` holds each sequence's position (int32 [N], as mlx-lm's ``BatchKVCache``), which
-    RoPE takes per sequence (``starts``: the same as ints). ``update_and_fetch`` writes each sequence's real rows into its own
-    cache and returns every sequence's keys and values right-padded to the longest; ``make_mask``
-    is the mask that goes with them.
+    RoPE takes per sequence (``starts``: the same as ints). ``update_and_fetch`` writes each
+    sequence's real rows into its own cache and returns every sequence's keys and values
+    right-padded to the longest; ``make_mask`` is the mask that goes with them.
     """
 
     def __init__(self, caches: list[KVCache], sizes: list[int]):
