@@ -141,7 +141,9 @@ def step_together(runner: TargetRunner, loops: Sequence[Iterator[Any]], batch: b
     """One step of each loop (a prefill chunk or a decode cycle) -> one ``Step`` per loop, in order.
 
     Each loop runs to its next verify request or event; the verify requests are answered by one
-    batched pass (``batch``; else by a pass each), then each of those loops runs on to its event.
+    batched pass (``batch``; else by a pass each), then each of those loops runs on to its event
+    (a further request on the way, a pass a loop launches ahead of its next cycle, is answered
+    alone).
     Loops that never ask for a verify (plain decoding) just give their next event. An error in
     one loop is returned as its step; the others go on.
     """
@@ -156,8 +158,9 @@ def step_together(runner: TargetRunner, loops: Sequence[Iterator[Any]], batch: b
         results = verify_batch(runner, requests) if batch else [verify_one(runner, r) for r in requests]
         for i, result in zip(pending, results):
             steps[i] = _advance(lambda: loops[i].send(result))
-            if isinstance(steps[i].event, VerifyRequest):
-                raise RuntimeError("a decode loop asked for two verify passes without an event between them")
+            while isinstance(steps[i].event, VerifyRequest):  # a pass launched ahead of its cycle
+                ahead = verify_one(runner, steps[i].event)
+                steps[i] = _advance(lambda: loops[i].send(ahead))
     return steps
 
 

@@ -176,3 +176,26 @@ def test_requests_of_different_drafters_are_refused(hybrid_target):
     with pytest.raises(ValueError, match="same taps"):
         verify_batch(runner, [VerifyRequest(mx.array([[1, 2]]), a, [0, 2], True),
                               VerifyRequest(mx.array([[1, 2]]), b, [1], True)])
+
+
+def test_a_second_verify_request_within_a_step_is_answered_alone(hybrid_target):
+    """A loop may launch its next cycle's verify before its event (as after a plain step): the
+    step answers that one with its own pass and still ends at the loop's event."""
+    _, model = hybrid_target
+    runner = TargetRunner(model)
+    caches = _prefilled(runner, [[1, 2, 3], [4, 5, 6, 7]])
+    answered = []
+
+    def loop(cache, extra):
+        for _ in range(2):
+            result = yield VerifyRequest(mx.array([[9, 8, 7]]), cache, TAPS, True)
+            answered.append(result.logits.shape)
+            if extra:
+                ahead = yield VerifyRequest(mx.array([[5]]), cache, TAPS, True)
+                answered.append(ahead.logits.shape)
+            yield "event"
+
+    steps = step_together(runner, [loop(caches[0], True), loop(caches[1], False)])
+    assert [s.event for s in steps] == ["event", "event"]
+    assert sorted(answered) == [(1, 1, tiny.VOCAB), (1, 3, tiny.VOCAB), (1, 3, tiny.VOCAB)]
+    assert caches[0].offset == 3 + 3 + 1 and caches[1].offset == 4 + 3
