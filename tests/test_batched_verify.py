@@ -199,3 +199,30 @@ def test_a_second_verify_request_within_a_step_is_answered_alone(hybrid_target):
     assert [s.event for s in steps] == ["event", "event"]
     assert sorted(answered) == [(1, 1, tiny.VOCAB), (1, 3, tiny.VOCAB), (1, 3, tiny.VOCAB)]
     assert caches[0].offset == 3 + 3 + 1 and caches[1].offset == 4 + 3
+
+
+@pytest.mark.parametrize("kind", ["hybrid", "plain"])
+def test_sampling_under_batched_verify_draws_what_taking_turns_draws(kind, hybrid_target, plain_target):
+    """Sampled decoding: with the same seed, lock-step decoding with batched verify passes gives
+    every sequence the tokens that one pass each gives (the random draws happen in the same order
+    and the target's distributions are the solo passes'), so batching keeps each sequence's
+    exact sampling distribution."""
+    from dflash2_mlx.sampling import SamplingSettings
+
+    cfg, model = hybrid_target if kind == "hybrid" else plain_target
+    runner = TargetRunner(model)
+    dcfg = tiny.drafter_config(cfg, version=2, block_size=8, taps=TAPS)
+    drafter = tiny.build_drafter(dcfg)
+    prompts = [[3, 1, 4], [1, 5, 9, 2, 6] * 4, [5, 3]]
+    settings = [GenerationSettings(max_tokens=n, block_size=b, sampling=SamplingSettings(temperature=0.9))
+                for n, b in ((30, 4), (22, 6), (26, 3))]
+    outputs = {}
+    for batch in (True, False):
+        mx.random.seed(11)
+        tokens = defaultdict(list)
+        loops = [speculative_steps(runner, drafter, p, s) for p, s in zip(prompts, settings)]
+        for i, event in run_together(runner, loops, batch=batch):
+            tokens[i] += event.tokens
+        outputs[batch] = dict(tokens)
+    assert outputs[True] == outputs[False]
+    assert all(len(outputs[True][i]) == s.max_tokens for i, s in enumerate(settings))
