@@ -172,7 +172,8 @@ def main(argv=None) -> int:
         rows.append(row)
         print(f"N={n}: on {row['on']['total_tps']:.1f} tok/s ({row['on']['per_request_tps']:.1f} per request), "
               f"off {row['off']['total_tps']:.1f} tok/s ({row['off']['per_request_tps']:.1f} per request), "
-              f"on/off {row['on_over_off']:.2f}x (by CPU time {row['on_over_off_by_cpu']:.2f}x); verify pass {row['verify_pass']['batched_ms']:.1f} ms batched vs "
+              f"on/off {row['on_over_off']:.2f}x (by CPU time {row['on_over_off_by_cpu']:.2f}x); "
+              f"verify pass {row['verify_pass']['batched_ms']:.1f} ms batched vs "
               f"{row['verify_pass']['separate_ms']:.1f} ms separate ({row['verify_pass']['batched_ops']} vs "
               f"{row['verify_pass']['separate_ops']} ops); identical {row['identical_to_solo']}",
               file=sys.stderr)

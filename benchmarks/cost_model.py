@@ -349,14 +349,11 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     if args.batched_verify:
         report = batched_verify_cost(args)
-        print(json.dumps(report, indent=1))
-        if args.json:
-            args.json.write_text(json.dumps(report, indent=1) + "\n")
-        return 0
-    runner, drafter = build(getattr(mx, args.dtype), args.bits)
-    m = measure(runner, drafter, args.context, args.repeats)
-    p = predict(m)
-    report = {"settings": {"dtype": args.dtype, "bits": args.bits, "context": args.context}, "measured": m, "model": p}
+    else:
+        runner, drafter = build(getattr(mx, args.dtype), args.bits)
+        m = measure(runner, drafter, args.context, args.repeats)
+        report = {"settings": {"dtype": args.dtype, "bits": args.bits, "context": args.context}, "measured": m,
+                  "model": predict(m)}
     print(json.dumps(report, indent=1))
     if args.json:
         args.json.write_text(json.dumps(report, indent=1) + "\n")

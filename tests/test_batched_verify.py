@@ -126,7 +126,8 @@ def test_every_sequence_decodes_its_solo_greedy_output_under_batched_verify(kind
     setups = []
     for prompt_len, block, max_tokens in ((3, 8, 60), (29, 5, 45), (11, 16, 140), (52, 3, 30)):
         prompt = [rng.randrange(256) for _ in range(prompt_len)]
-        plain = [t for e in generate_autoregressive(runner, prompt, GenerationSettings(max_tokens=max_tokens)) for t in e.tokens]
+        plain = [t for e in generate_autoregressive(runner, prompt, GenerationSettings(max_tokens=max_tokens))
+                 for t in e.tokens]
         settings = GenerationSettings(max_tokens=max_tokens, block_size=block)
         setups.append((prompt, plain, settings, _forcing(prompt_len, block, max_tokens)))
     solo = []
