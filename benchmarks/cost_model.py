@@ -2,6 +2,7 @@
 
     python benchmarks/cost_model.py [--dtype bfloat16|float32] [--bits 4] [--context 256] [--json out.json]
     python benchmarks/cost_model.py --choice-only    # the controller's PREDICTED block size on a Mac
+    python benchmarks/cost_model.py --batched-verify --dtype float32 [--batch 1 2 4] [--block 8]
 
 Random weights, reduced depth, real widths: a Qwen3.8-27B-shaped target with 2 Gated DeltaNet and
 2 gated attention layers (hidden 5120, MLP 17408, vocabulary 248320, the real head counts) and a
@@ -291,6 +292,104 @@ def controller_choices(verify_relative: dict | None = None) -> list[dict]:
     return rows
 
 
+# --batched-verify: a 1 GDN + 1 attention layer target at the real widths (the head on an eighth
+# of the vocabulary, scaled back), N verifies of B rows as one pass vs N passes.
+BATCH_HEAD_SHARE = 8
+# The Mac's verify cost by rows, from the design notes' anchor: a 27B 4-bit verify of 16 rows costs
+# about 1.1-1.3 one-row passes (weight-bandwidth bound). Not measured by this project.
+MAC_16_ROW_FACTOR = (1.1, 1.3)
+MAC_HOST_SYNC_MS = 0.3
+
+
+def batched_verify_cost(args) -> dict:
+    """Measure one batched verify of N x B rows against N separate B-row verifies, compose both to
+    the full depth, and predict what batching gives on an M5 Max."""
+    from mlx_lm.utils import _get_classes
+
+    from dflash2_mlx.batched_verify import VerifyRequest, verify_batch, verify_one
+    from dflash2_mlx.target import TargetRunner
+
+    cfg = target_config(args.dtype)
+    text = cfg["text_config"]
+    text.update(num_hidden_layers=2, layer_types=["linear_attention", "full_attention"],
+                vocab_size=text["vocab_size"] // BATCH_HEAD_SHARE)
+    model_class, args_class = _get_classes(cfg)
+    model = model_class(args_class.from_dict(cfg))
+    model.set_dtype(getattr(mx, args.dtype))
+    mx.eval(model.parameters())
+    runner = TargetRunner(model)
+    block, taps = args.block, [0, 1]
+    widest = max(args.batch)
+    prompts = mx.random.randint(0, runner.vocab_size, (widest, args.context + block)).astype(mx.int32)
+    caches, snaps = [], []
+    for i in range(widest):
+        cache = runner.make_cache()
+        for start in range(0, args.context, PREFILL_CHUNK):
+            runner(prompts[i : i + 1, start : min(start + PREFILL_CHUNK, args.context)], cache, logits_from=PREFILL_CHUNK)
+            mx.eval([c.state for c in cache.layers])
+        caches.append(cache)
+        snaps.append(cache.snapshot())
+    blocks = [prompts[i : i + 1, args.context :] for i in range(widest)]
+
+    def verify(n: int, batched: bool):
+        for c, snap in zip(caches[:n], snaps[:n]):
+            c.restore(snap)
+        requests = [VerifyRequest(b, c, taps, True) for b, c in zip(blocks[:n], caches[:n])]
+        results = verify_batch(runner, requests) if batched else [verify_one(runner, r) for r in requests]
+        mx.eval([(r.logits, r.features, r.recorded) for r in results])
+
+    head_in = mx.random.normal((widest * block, text["hidden_size"])).astype(getattr(mx, args.dtype))
+    rows: dict = {}
+    for n in args.batch:
+        times = {"batched_ms": [], "separate_ms": [], "head_batched_ms": [], "head_separate_ms": []}
+        verify(n, True), verify(n, False)  # warm-up
+        for _ in range(args.repeats):  # in turn, so that a slow spell hits both
+            for key, fn in (("batched_ms", lambda: verify(n, True)), ("separate_ms", lambda: verify(n, False)),
+                            ("head_batched_ms", lambda: mx.eval(runner.lm_head(head_in[: n * block]))),
+                            ("head_separate_ms", lambda: mx.eval([runner.lm_head(head_in[i * block : (i + 1) * block])
+                                                                  for i in range(n)]))):
+                t0 = time.perf_counter()
+                fn()
+                times[key].append(1000 * (time.perf_counter() - t0))
+        m = {k: statistics.median(v) for k, v in times.items()}
+        # full depth: the pass minus its head is 2 layers (one of each kind); 64 layers are 48 GDN +
+        # 16 attention, so 16 x (GDN + attention) + 32 more GDN layers, which this pass cannot
+        # separate: it counts them as 16 more (GDN + attention) pairs (attention is the cheaper
+        # kind at short context, so this overstates the layers, not the ratio's direction).
+        for kind in ("batched", "separate"):
+            layers = m[f"{kind}_ms"] - m[f"head_{kind}_ms"]
+            m[f"full_depth_{kind}_ms"] = m[f"head_{kind}_ms"] * BATCH_HEAD_SHARE + layers * TARGET_LAYERS / 2
+        m["full_depth_batched_over_separate"] = m["full_depth_batched_ms"] / m["full_depth_separate_ms"]
+        rows[n] = m
+    return {"settings": {"dtype": args.dtype, "context": args.context, "block": block, "batch": args.batch},
+            "measured_cpu": rows, "mac_prediction": predict_batched(block, args.batch)}
+
+
+def predict_batched(block: int, batch: list[int]) -> dict:
+    """A prediction (not a measurement) of N requests' decode on an M5 Max, verifies batched or not.
+
+    A verify of R rows costs f(R) one-row passes: between "linear in rows through the anchor"
+    f(R) = 1 + (R - 1)(f16 - 1) / 15 and "compute-bound past the anchor" f(R) = max(1, f16 R / 16),
+    with f16 = 1.1-1.3 (MAC_16_ROW_FACTOR). Drafts are not batched (each request's drafter pass as
+    in ``predict``), one host sync per request per cycle, the published acceptance length."""
+    ar_ms = 1000 / M5_MAX_AR_TPS
+    efficiency = (15e9 / M5_MAX_BANDWIDTH * 1000) / ar_ms
+    draft_ms = (1.92e9 * 1.0 + 248320 * 5120 * 0.5625) / M5_MAX_BANDWIDTH * 1000 / efficiency
+    out = {}
+    for f16 in MAC_16_ROW_FACTOR:
+        for label, factor in (("linear", lambda r: 1 + (r - 1) * (f16 - 1) / 15),
+                              ("compute-bound", lambda r: max(1.0, f16 * r / 16))):
+            for n in batch:
+                separate = n * (draft_ms + ar_ms * factor(block) + MAC_HOST_SYNC_MS)
+                batched = n * (draft_ms + MAC_HOST_SYNC_MS) + ar_ms * factor(n * block)
+                tokens = n * PUBLISHED_ACCEPTANCE
+                out[f"16 rows = {f16} passes, {label}, N = {n}"] = {
+                    "verify_rows": n * block, "round_ms_batched": batched, "round_ms_separate": separate,
+                    "total_tok_s_batched": tokens * 1000 / batched, "total_tok_s_separate": tokens * 1000 / separate,
+                    "batched_over_separate": separate / batched}
+    return out
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
@@ -315,6 +414,18 @@ def main(argv=None) -> int:
     p["predicted_controller_choices"] = {"bandwidth-bound verify": controller_choices(),
                                          "this CPU's measured verify factors": controller_choices(m["verify_relative"])}
     report = {"settings": {"dtype": args.dtype, "bits": args.bits, "context": args.context}, "measured": m, "model": p}
+    ap.add_argument("--batched-verify", action="store_true",
+                    help="measure N x B-row batched verifies against N separate ones (see batched_verify_cost)")
+    ap.add_argument("--batch", type=int, nargs="+", default=[1, 2, 4])
+    ap.add_argument("--block", type=int, default=8)
+    args = ap.parse_args(argv)
+    if args.batched_verify:
+        report = batched_verify_cost(args)
+    else:
+        runner, drafter = build(getattr(mx, args.dtype), args.bits)
+        m = measure(runner, drafter, args.context, args.repeats)
+        report = {"settings": {"dtype": args.dtype, "bits": args.bits, "context": args.context}, "measured": m,
+                  "model": predict(m)}
     print(json.dumps(report, indent=1))
     if args.json:
         args.json.write_text(json.dumps(report, indent=1) + "\n")

@@ -24,6 +24,7 @@ def serve_command(
     allowed_origins: List[str] = typer.Option([], "--allowed-origins", help="Enable CORS for these browser origins (repeatable or comma-separated; '*' for any). Off by default."),
     max_queue: int = typer.Option(64, "--max-queue", help="Requests that may wait for the generation worker; more get 429 with Retry-After."),
     max_concurrent: int = typer.Option(4, "--max-concurrent", help="Requests that decode at once, taking turns cycle by cycle; more wait in the queue."),
+    batch_verify: str = typer.Option("auto", "--batch-verify", help="Run the active requests' verify passes as one batched target call: on, off, or auto (measured while serving: whichever is faster). Outputs are the same either way."),
     max_context: Optional[int] = typer.Option(None, "--max-context", help="Refuse prompts of this many tokens or more (default: the model's context)."),
     served_model_name: List[str] = typer.Option([], "--served-model-name", help="Extra model name(s) clients may use (repeatable); listed by /v1/models."),
     no_draft: bool = typer.Option(False, "--no-draft", help="Serve with plain autoregressive decoding (no drafter)."),
@@ -44,6 +45,8 @@ def serve_command(
                              ("--max-context", max_context, 2)):
         if value is not None and value < low:
             fail(f"{name} must be at least {low}, got {value}")
+    if batch_verify not in ("auto", "on", "off"):
+        fail(f"--batch-verify must be auto, on or off, got {batch_verify!r}")
     if not 0 <= port <= 65535:
         fail(f"--port must be in 0..65535, got {port}")
     if prefix_cache_gb < 0:
@@ -87,13 +90,14 @@ def serve_command(
     bound_port = sock.getsockname()[1]
     config = ServerConfig(
         model=choice.target, draft_model=choice.drafter, api_key=api_key, allowed_origins=origins,
-        max_queue=max_queue, max_concurrent=max_concurrent, max_context=max_context, served_model_names=served_model_name,
+        max_queue=max_queue, max_concurrent=max_concurrent, batch_verify=batch_verify, max_context=max_context,
+        served_model_names=served_model_name,
         prefix_cache_gb=prefix_cache_gb, prompt_cache_dir=cache_dir, prompt_cache_gb=prompt_cache_gb,
         request_timeout=request_timeout, default_max_tokens=default_max_tokens,
         model_name=model_name_for(choice.target),
     )
     worker = Worker(config.model, config.draft_model, max_queue=max_queue, max_concurrent=max_concurrent,
-                    max_context=max_context, prefix_cache_bytes=int(prefix_cache_gb * 2**30),
+                    batch_verify=batch_verify, max_context=max_context, prefix_cache_bytes=int(prefix_cache_gb * 2**30),
                     prompt_cache_dir=cache_dir, prompt_cache_bytes=int(prompt_cache_gb * 2**30), block_size=pinned)
     app = create_app(config, worker)
     server = _Server(uvicorn.Config(app, log_level=log_level.lower(), timeout_graceful_shutdown=15,

@@ -11,10 +11,11 @@ from __future__ import annotations
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Iterator, Optional, Sequence, Union
+from typing import Generator, Iterator, Optional, Sequence, Union
 
 import mlx.core as mx
 
+from .batched_verify import VerifyRequest, VerifyResult, answer_alone
 from .controller import BlockPolicy, policy_for
 from .drafter import Drafter
 from .prefix_cache import PrefixCache, PrefixEntry
@@ -390,7 +391,7 @@ def generate_autoregressive(
         token, processed = ahead
 
 
-def generate_speculative(
+def speculative_steps(
     runner: TargetRunner,
     drafter: Drafter,
     prompt: Sequence[int],
@@ -398,9 +399,10 @@ def generate_speculative(
     tokenizer=None,
     prefix_cache: Optional[PrefixCache] = None,
     save_at: Sequence[int] = (),
-) -> Iterator[GenerationEvent]:
-    """Lossless speculative decoding: greedy output equals ``generate_autoregressive``'s token for
-    token; sampled output follows exactly the target's distribution.
+) -> Generator[Union[GenerationEvent, VerifyRequest], Optional[VerifyResult], None]:
+    """``generate_speculative``'s loop, which leaves its verify passes to its driver: it yields
+    events and, once per cycle, a ``VerifyRequest``, to be answered with ``send(VerifyResult)``
+    (``batched_verify.answer_alone`` runs each alone; a server batches several sequences').
 
     Each cycle's block size comes from the request's policy (``controller.py``): the break-even
     controller by default, ``settings.block_size`` pinned, or ``settings.policy``. A cycle of size
@@ -478,13 +480,14 @@ def generate_speculative(
         return draft, candidates, q
 
     def verify_block(anchor: mx.array, drafted, seen: Optional[mx.array]):
-        """The target's pass over [anchor, d1..d(bs-1)] and the acceptance test, launched ->
-        (features [1, bs, F], GDN inputs for rollback, processed logits [bs, V], accepted [1], bonus [1])."""
+        """The target's pass over [anchor, d1..d(bs-1)] and the acceptance test, launched (a
+        sub-generator: the pass is asked of the driver) -> (features [1, bs, F], GDN inputs for rollback, processed logits [bs, V], accepted [1], bonus [1])."""
         draft, candidates, q = drafted
-        recorded = [] if hybrid and draft.shape[0] else None
         verify_in = mx.concatenate([anchor, draft])[None]
-        verify_logits, verify_features = runner(verify_in, cache, taps, recorded)
-        verify_logits = verify_logits[0]
+        # the driver runs the pass: alone, or batched with other sequences' passes (which need
+        # every request of a batch to record alike: a plain step records its one row too)
+        verified = yield VerifyRequest(verify_in, cache, taps, record=hybrid)
+        verify_logits, verify_features, recorded = verified.logits[0], verified.features, verified.recorded
         if settings.logits_processors:  # row i sees committed + d1..di, as plain decoding did
             verify_logits = apply_processors(settings.logits_processors, mx.concatenate([seen, draft]), verify_logits)
         if prof:
@@ -520,7 +523,7 @@ def generate_speculative(
         if drafted is None:
             drafted = draft_block(anchor_in, min(planned, settings.max_tokens - len(out.tokens) + 1))
         if verified is None:
-            verified = verify_block(anchor_in, drafted, history())
+            verified = yield from verify_block(anchor_in, drafted, history())
         (draft, _, _), (verify_features, recorded, verify_logits, accepted_arr, bonus_arr) = drafted, verified
         drafted = verified = None
         bs = draft.shape[0] + 1
@@ -535,7 +538,7 @@ def generate_speculative(
         if not prof and settings.max_tokens - (len(out.tokens) + bs) >= max(planned - 1, 1):
             if bs == 1:
                 drafted = draft_block(bonus_arr, planned)
-                verified = verify_block(bonus_arr, drafted, history(bonus_arr))
+                verified = yield from verify_block(bonus_arr, drafted, history(bonus_arr))
                 mx.async_eval(verified[-1])
             elif planned > 1:
                 mx.async_eval(accepted_arr, bonus_arr, verify_features)
@@ -583,6 +586,20 @@ def generate_speculative(
         prefix_cache.store(PrefixEntry(tuple(covered), cache.snapshot(), context.copy(), None))
     stats.controller = policy.summary()
     yield out.finish(event)
+
+
+def generate_speculative(
+    runner: TargetRunner,
+    drafter: Drafter,
+    prompt: Sequence[int],
+    settings: GenerationSettings,
+    tokenizer=None,
+    prefix_cache: Optional[PrefixCache] = None,
+    save_at: Sequence[int] = (),
+) -> Iterator[GenerationEvent]:
+    """Lossless speculative decoding: greedy output equals ``generate_autoregressive``'s token for
+    token; sampled output follows exactly the target's distribution."""
+    return answer_alone(runner, speculative_steps(runner, drafter, prompt, settings, tokenizer, prefix_cache, save_at))
 
 
 def collect(events: Iterator[GenerationEvent]) -> tuple[list[int], Optional[GenerationStats]]:

@@ -52,6 +52,14 @@ def table_rows(table: mx.array, start: mx.array, length: int) -> tuple[mx.array,
     return cos, sin
 
 
+def table_rows_at(table: mx.array, starts: mx.array, length: int) -> tuple[mx.array, mx.array]:
+    """cos, sin [N, 1, length, dims / 2] of positions starts[i]..starts[i]+length-1 for each of N
+    sequences (starts: int32 [N]): the rows ``table_rows`` gives each, for heads [N, H, length, D]."""
+    rows = mx.take(table, starts[:, None] + mx.arange(length, dtype=mx.int32), axis=0)  # [N, length, dims]
+    cos, sin = mx.split(rows[:, None], 2, axis=-1)
+    return cos, sin
+
+
 def apply(x: mx.array, cos: mx.array, sin: mx.array) -> mx.array:
     """x [..., D] rotated (rotate-half) in its first ``2 * cos.shape[-1]`` dims; cos and sin
     broadcast against x[..., :dims / 2] (positions on the axis they index). float32 cos/sin on

@@ -318,7 +318,8 @@ class TargetRunner:
         record: Optional[list[RecurrentInputs]] = None,
         logits_from: int = 0,
     ) -> tuple[mx.array, Optional[mx.array]]:
-        """Feed ``tokens`` [1, L] after what ``cache`` holds.
+        """Feed ``tokens`` [1, L] after what ``cache`` holds (or, from ``batched_verify``, the
+        blocks of several sequences [N, L] after a batch view of their caches).
 
         Returns logits [1, L - logits_from, V] (rows that are never read are not computed; None
         when logits_from >= L) and,
@@ -363,8 +364,7 @@ class TargetRunner:
         rows = ()
         if table is not None:
             if table not in rope_rows:
-                start = mx.array([cache.offset], dtype=mx.int32)
-                rope_rows[table] = rope.table_rows(table.covering(cache.offset + h.shape[1]), start, h.shape[1])
+                rope_rows[table] = _pass_rope_rows(table, cache, h.shape[1])
             rows = rope_rows[table]
         if h.shape[1] <= COMPILED_MAX_ROWS:
             before, after = self._compiled.get(("attention", i), (None, None))
@@ -411,6 +411,16 @@ class TargetRunner:
             record.append(RecurrentInputs(
                 conv_input, q, k, v, a, b, state, gdn.A_log, gdn.dt_bias, states if keep else None))
         return h
+
+
+def _pass_rope_rows(table: rope.RopeTable, cache, rows: int) -> tuple[mx.array, mx.array]:
+    """cos, sin of a pass's positions after ``cache``: [rows, dims / 2] for one sequence, or
+    [N, 1, rows, dims / 2] after a batch of sequences (``batched_verify.RaggedKV``: an offset per
+    sequence, int32 [N], and ``starts``, the same as ints)."""
+    if isinstance(cache.offset, int):
+        start = mx.array([cache.offset], dtype=mx.int32)
+        return rope.table_rows(table.covering(cache.offset + rows), start, rows)
+    return rope.table_rows_at(table.covering(max(cache.starts) + rows), cache.offset, rows)
 
 
 def gated_delta_layer(layer: nn.Module, h: mx.array, conv_state: mx.array, state: Optional[mx.array],

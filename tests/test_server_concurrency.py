@@ -104,3 +104,37 @@ def test_concurrent_clients_get_their_solo_outputs(server):
     assert peak["active"] >= 2, "requests never decoded at the same time"
     m = metrics(server.base)
     assert m["dflash2_mlx_active_requests"] == 0 and m["dflash2_mlx_queue_depth"] == 0
+
+
+@pytest.mark.parametrize("mode", ["on", "auto"])
+def test_batched_verify_gives_concurrent_clients_their_solo_outputs(embedded_pair, tmp_path, mode):
+    """--batch-verify on (every round of two or more cycles is one batched target pass) and auto
+    (measured, so both modes run): each concurrent request's text is its solo text."""
+    target, drafter = embedded_pair
+    args = ["--model", str(target), "--draft-model", str(drafter), "--max-concurrent", "4", "--max-queue", "32",
+            "--request-timeout", "300", "--batch-verify", mode]
+    with running_server(args, tmp_path / "server.log") as srv:
+        name = model_name(srv.base)
+        prompts = [f"def task_{i}(x):\n    " for i in range(4)] + ["import os\n", "for i in range(10):"]
+        lengths = [40, 24, 64, 16, 48, 32]  # ragged: the batch shrinks and blocks shorten as they end
+        solo = {p: complete(srv.base, p, n, model=name)["choices"][0]["text"] for p, n in zip(prompts, lengths)}
+        with ThreadPoolExecutor(6) as pool:
+            got = list(pool.map(lambda pn: (pn[0], complete(srv.base, pn[0], pn[1], model=name)),
+                                list(zip(prompts, lengths)) * 2))
+        for prompt, body in got:
+            assert body["choices"][0]["text"] == solo[prompt], prompt
+            assert body["usage"]["completion_tokens"] == dict(zip(prompts, lengths))[prompt]
+        m = metrics(srv.base)
+        assert m["dflash2_mlx_batched_verify_calls_total"] > 0, "no verify pass was ever batched"
+        assert m["dflash2_mlx_batched_verify_passes_total"] >= 2 * m["dflash2_mlx_batched_verify_calls_total"]
+    assert "Traceback" not in srv.log_text(), srv.log_text()[-3000:]
+
+
+def test_an_unknown_batch_verify_mode_is_a_one_line_error():
+    import subprocess
+    import sys
+
+    r = subprocess.run([sys.executable, "-m", "dflash2_mlx", "serve", "--batch-verify", "maybe"],
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2
+    assert "--batch-verify must be auto, on or off" in r.stderr

@@ -45,6 +45,7 @@ class ServerConfig:
     allowed_origins: Sequence[str] = ()
     max_queue: int = 64
     max_concurrent: int = 4
+    batch_verify: str = "auto"  # batch the active requests' verify passes: auto (measured), on, off
     max_context: Optional[int] = None
     served_model_names: Sequence[str] = ()
     prefix_cache_gb: float = 2.0
@@ -162,8 +163,8 @@ def create_app(config: ServerConfig, worker: Optional[Worker] = None, metrics: O
     metrics = metrics or (worker.metrics if worker is not None else Metrics())
     if worker is None:
         worker = Worker(config.model, config.draft_model, max_queue=config.max_queue,
-                        max_concurrent=config.max_concurrent, max_context=config.max_context,
-                        prefix_cache_bytes=int(config.prefix_cache_gb * 2**30),
+                        max_concurrent=config.max_concurrent, batch_verify=config.batch_verify,
+                        max_context=config.max_context, prefix_cache_bytes=int(config.prefix_cache_gb * 2**30),
                         prompt_cache_dir=config.prompt_cache_dir, prompt_cache_bytes=int(config.prompt_cache_gb * 2**30),
                         metrics=metrics)
     name = config.model_name or model_name_for(config.model)

@@ -59,6 +59,8 @@ class Metrics:
         self.decode_seconds = 0.0
         self.last_decode_tps = 0.0
         self.in_flight = 0
+        self.batched_verify_calls = 0  # target calls that ran several requests' verify passes
+        self.batched_verify_passes = 0  # the verify passes they ran
         # Tokens a verify cycle emitted (the acceptance length of that cycle): 1..block size.
         self.cycle_hist = Histogram(list(range(1, 17)))
         self.ttft_hist = Histogram([0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120])
@@ -85,6 +87,11 @@ class Metrics:
     def cycle(self, emitted: int) -> None:
         with self.lock:
             self.cycle_hist.observe(emitted)
+
+    def batched_verify(self, passes: int) -> None:
+        with self.lock:
+            self.batched_verify_calls += 1
+            self.batched_verify_passes += passes
 
     def finished(self, stats, ttft: Optional[float]) -> None:
         with self.lock:
@@ -141,6 +148,10 @@ class Metrics:
                 ("verify_steps_total", "counter", "Speculative verify cycles.", self.verify_steps),
                 ("cycle_tokens_total", "counter", "Tokens emitted by verify cycles.", self.cycle_tokens),
                 ("draft_tokens_total", "counter", "Drafted tokens.", self.drafted_tokens),
+                ("batched_verify_calls_total", "counter", "Target calls that ran several requests' verify passes at once.",
+                 self.batched_verify_calls),
+                ("batched_verify_passes_total", "counter", "Verify passes run inside batched target calls.",
+                 self.batched_verify_passes),
                 ("accepted_tokens_total", "counter", "Drafted tokens accepted by the target.", self.accepted_tokens),
                 ("decode_seconds_total", "counter", "Time spent decoding (first to last token).", self.decode_seconds),
                 ("acceptance_length", "gauge", "Cycle tokens / verify cycles over all requests.",

@@ -2,7 +2,9 @@
 
 Requests wait in a bounded FIFO queue; up to ``max_concurrent`` of them are active at once and
 take turns, one engine step each (a prefill chunk or a decode cycle), in the order
-``scheduler.RoundRobin`` gives. Each ``Job`` is answered through an asyncio queue on the event
+``scheduler.RoundRobin`` gives. Unless ``--batch-verify off``, every active request takes its step
+in each round, and the round's verify passes run as one batched target call where
+``batch_switch.BatchSwitch`` says so (``batched_verify.step_together``; outputs are the same). Each ``Job`` is answered through an asyncio queue on the event
 loop that submitted it: ``("start", None)`` when the worker admits it, ``("event",
 GenerationEvent)`` per engine event, ``("error", APIError)`` on failure, and ``("end", None)``
 last. A job's ``cancel`` event (set on client disconnect, timeout or shutdown) is checked by the
@@ -22,6 +24,7 @@ from pathlib import Path
 from typing import Any, Callable, Iterator, Optional
 
 from .errors import APIError
+from .batch_switch import BatchSwitch
 from .metrics import Metrics
 from .scheduler import RoundRobin
 
@@ -73,6 +76,7 @@ class Worker:
         *,
         max_queue: int = 64,
         max_concurrent: int = 4,
+        batch_verify: str = "auto",
         max_context: Optional[int] = None,
         prefix_cache_bytes: int = 2 * 2**30,
         prompt_cache_dir: Optional[Path] = None,
@@ -86,6 +90,7 @@ class Worker:
         self.block_size = block_size  # None: the break-even controller picks each cycle's
         self.max_queue = max_queue
         self.max_concurrent = max_concurrent
+        self.batch_switch = BatchSwitch(batch_verify)  # batch a round's verify passes, or take turns
         self.max_context_limit = max_context
         self.prefix_cache_bytes = prefix_cache_bytes
         self.prompt_cache_dir, self.prompt_cache_bytes = prompt_cache_dir, prompt_cache_bytes
@@ -214,10 +219,9 @@ class Worker:
                 if active is not None:
                     with self._cond:
                         self._active.add(active)
-            with self._cond:
-                group = self._active.next_group(1)
-            for active in group:
-                done = self._step(active)
+            with self._cond:  # a round: one step of every active job (off: of one, in turn)
+                group = self._active.next_group(1 if self.batch_switch.mode == "off" else len(self._active))
+            for active, done in zip(group, self._step_group(group)):
                 with self._cond:
                     (self._active.finished if done else self._active.requeue)(active)
                     idle = not self._queue and not len(self._active)
@@ -261,7 +265,7 @@ class Worker:
         """Open the job's generation (nothing runs yet); None when it ended already."""
         from dataclasses import replace
 
-        from dflash2_mlx.engine import generate_autoregressive, generate_speculative
+        from dflash2_mlx.engine import generate_autoregressive, speculative_steps
 
         from .params import to_settings
 
@@ -276,8 +280,9 @@ class Worker:
             settings = replace(settings, yield_during_prefill=True)  # others step between its chunks
             runner, tok = self.target.runner, self.tokenizer
             if self.drafter is not None:
-                events = generate_speculative(runner, self.drafter, job.prompt, settings, tok,
-                                              prefix_cache=self.prefix_cache, save_at=job.save_at)
+                # its verify passes are answered by _step_group: alone, or batched with the others'
+                events = speculative_steps(runner, self.drafter, job.prompt, settings, tok,
+                                           prefix_cache=self.prefix_cache, save_at=job.save_at)
             else:
                 events = generate_autoregressive(runner, job.prompt, settings, tok,
                                                  prefix_cache=self.prefix_cache, save_at=job.save_at)
@@ -286,16 +291,33 @@ class Worker:
             return None
         return Active(job, events, time.perf_counter())
 
-    def _step(self, active: Active) -> bool:
-        """Run one step of an active job and hand its event over; True when the job has ended."""
-        job = active.job
+    def _step_group(self, group: list[Active]) -> list[bool]:
+        """One step of each job (a prefill chunk or a decode cycle), their verify passes batched
+        or one each as ``batch_switch`` says (timed for it when every job ran a cycle); hands the
+        events over -> per job, True when it has ended."""
+        from dflash2_mlx.batched_verify import Step, step_together
+
+        batched = self.batch_switch.batch(len(group))
+        t0 = time.perf_counter()
         try:
-            event = next(active.events)
-        except StopIteration:
-            event = None
-        except Exception as e:
-            self._fail(job, e)
+            steps = step_together(self.target.runner, [a.events for a in group], batch=batched)
+        except Exception as e:  # the (batched) target pass itself failed: every job in it ends
+            steps = [Step(error=e) for _ in group]
+        cycles = sum(s.event is not None and s.event.accepted is not None for s in steps)
+        if cycles == len(group):
+            self.batch_switch.record(len(group), batched, time.perf_counter() - t0)
+        if batched and cycles > 1:
+            self.metrics.batched_verify(cycles)
+        return [self._handle(active, step) for active, step in zip(group, steps)]
+
+    def _handle(self, active: Active, step) -> bool:
+        """Hand a job's step (``batched_verify.Step``) over; True when the job has ended."""
+        job = active.job
+        if step.error is not None:
+            active.events.close()
+            self._fail(job, step.error)
             return True
+        event = step.event
         if event is not None:
             if active.ttft is None and event.tokens:
                 active.ttft = time.perf_counter() - active.started
