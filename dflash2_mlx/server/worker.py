@@ -244,7 +244,7 @@ class Worker:
         t0 = time.perf_counter()
         ttft = None
         try:
-            settings = to_settings(job.params, self.tokenizer, job.cancel, len(job.prompt))
+            settings = to_settings(job.params, self.tokenizer, job.cancel, job.prompt)
             runner, tok = self.target.runner, self.tokenizer
             if self.drafter is not None:
                 events = generate_speculative(runner, self.drafter, job.prompt, settings, tok,
