@@ -306,3 +306,32 @@ def prompt_cache_option():
     return typer.Option(None, "--prompt-cache-dir", envvar="DFLASH2_PROMPT_CACHE_DIR",
                         help="Directory of the persistent prompt cache (prefix snapshots that survive restarts). "
                              "Default: $XDG_CACHE_HOME or ~/.cache, under dflash2-mlx/prompt-cache; 'none' turns it off.")
+
+
+def read_json_schema(path: str, option: str = "--json-schema") -> dict:
+    """A JSON Schema file the engine can enforce (one-line error otherwise, naming the keyword)."""
+    import json
+    from pathlib import Path
+
+    from dflash2_mlx.constrained import GrammarError, json_schema_rules
+
+    file = Path(path).expanduser()
+    try:
+        schema = json.loads(file.read_text())
+    except OSError as e:
+        fail(f"{option}: cannot read {file}: {e.strerror or e}")
+    except ValueError as e:
+        fail(f"{option}: {file} is not JSON: {e}")
+    try:
+        json_schema_rules(schema)
+    except GrammarError as e:
+        fail(f"{option}: {file}: {e}")
+    return schema
+
+
+def schema_grammar(schema: dict, tokenizer, prompt: Sequence[int]):
+    """The grammar forcing the answer to ``prompt`` into ``schema`` (after any reasoning block)."""
+    from dflash2_mlx.constrained import Grammar, reasoning_end_for
+
+    return Grammar.json_schema(schema, tokenizer, sorted(tokenizer.eos_token_ids),
+                               reasoning_end=reasoning_end_for(tokenizer, prompt))

@@ -251,6 +251,12 @@ class Worker:
         self.max_context = min(limits) if limits else None
         self.vocab_size = runner.vocab_size or len(self.tokenizer)
         self.defaults = _generation_defaults(self.target.path)
+        # Constrained decoding needs llguidance's view of the tokenizer (seconds at a 248K
+        # vocabulary): build it in the background so the first structured request rarely waits.
+        from dflash2_mlx.constrained import grammar_tokenizer
+
+        threading.Thread(target=grammar_tokenizer, args=(self.tokenizer, sorted(self.tokenizer.eos_token_ids)),
+                         name="grammar-tokenizer", daemon=True).start()
         disk = None
         if self.prompt_cache_dir is not None and self.prompt_cache_bytes > 0:
             disk = open_disk_cache(self.prompt_cache_dir, self.prompt_cache_bytes, self.target, self.drafter)
@@ -276,7 +282,7 @@ class Worker:
         job.state = "running"
         job.emit("start")
         try:
-            settings = to_settings(job.params, self.tokenizer, job.cancel, len(job.prompt), self.block_size)
+            settings = to_settings(job.params, self.tokenizer, job.cancel, job.prompt, self.block_size)
             settings = replace(settings, yield_during_prefill=True)  # others step between its chunks
             runner, tok = self.target.runner, self.tokenizer
             if self.drafter is not None:
