@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Optional
 
-from .errors import APIError
+from .errors import APIError, context_overflow
 from .metrics import Metrics
 
 log = logging.getLogger("dflash2_mlx.server")
@@ -256,8 +256,8 @@ class Worker:
                 job.emit("event", event)
         except Cancelled:
             job.emit("cancelled")
-        except PromptTooLong as e:
-            job.emit("error", APIError(400, str(e), code="context_length_exceeded", param="messages"))
+        except PromptTooLong:
+            job.emit("error", context_overflow(len(job.prompt), self.target.runner.max_context))
         except ValueError as e:
             job.emit("error", APIError(400, str(e), code="invalid_value"))
         except Exception:
