@@ -190,20 +190,80 @@ def test_reasoning_text_and_tool_calls_become_items_and_sdk_valid_events(qwen_di
     assert without_ids(Response.model_validate(fmt.body()).output) == without_ids(final.output)
 
 
-def test_a_thinking_template_gives_a_reasoning_item(qwen_dir, tiny_checkpoints):
+@pytest.fixture(scope="module")
+def qwen_app(qwen_dir, tiny_checkpoints):
+    """An in-process server on the tiny target with a Qwen-style thinking template."""
     from fastapi.testclient import TestClient
 
     from dflash2_mlx.server import ServerConfig, create_app
 
-    app = create_app(ServerConfig(model=str(qwen_dir), draft_model=str(tiny_checkpoints[1]), default_max_tokens=8,
+    app = create_app(ServerConfig(model=str(qwen_dir), draft_model=str(tiny_checkpoints[1]), default_max_tokens=4,
                                   max_context=1024))
     with TestClient(app, raise_server_exceptions=False) as c:
         assert app.state.worker.ready.wait(60)
-        body = {"model": "qwen-style", "input": "Weather?", "max_output_tokens": 6, "temperature": 0,
-                "logit_bias": {str(END_THINK): -100}}  # </think> banned: every token is reasoning
-        r = Response.model_validate(c.post("/v1/responses", json=body).json())
-        assert [o.type for o in r.output] == ["reasoning", "message"] and r.output_text == ""
-        assert r.output[0].content[0].text and r.usage.output_tokens_details.reasoning_tokens > 0
-        off = c.post("/v1/responses", json={**body, "reasoning": {"effort": "none"}}).json()
-        assert off["usage"]["input_tokens"] == r.usage.input_tokens + 4  # "\n\n</think>\n\n" closes the block
-        assert [o["type"] for o in off["output"]] == ["message"]
+        yield c
+
+
+def test_a_thinking_template_gives_a_reasoning_item(qwen_app):
+    c = qwen_app
+    body = {"model": "qwen-style", "input": "Weather?", "max_output_tokens": 6, "temperature": 0,
+            "logit_bias": {str(END_THINK): -100}}  # </think> banned: every token is reasoning
+    r = Response.model_validate(c.post("/v1/responses", json=body).json())
+    assert [o.type for o in r.output] == ["reasoning", "message"] and r.output_text == ""
+    assert r.output[0].content[0].text and r.usage.output_tokens_details.reasoning_tokens > 0
+    off = c.post("/v1/responses", json={**body, "reasoning": {"effort": "none"}}).json()
+    assert off["usage"]["input_tokens"] == r.usage.input_tokens + 4  # "\n\n</think>\n\n" closes the block
+    assert [o["type"] for o in off["output"]] == ["message"]
+
+
+def test_fuzzed_responses_requests_never_get_a_500(qwen_app):
+    pytest.importorskip("hypothesis")
+    from hypothesis import HealthCheck, given, settings
+    from hypothesis import strategies as st
+
+    scalars = st.one_of(st.none(), st.booleans(), st.integers(-(2**70), 2**70), st.floats(allow_nan=False),
+                        st.text(max_size=12))
+    nested = st.recursive(scalars, lambda inner: st.one_of(st.lists(inner, max_size=3),
+                                                           st.dictionaries(st.text(max_size=8), inner, max_size=3)),
+                          max_leaves=8)
+    item = st.fixed_dictionaries({
+        "type": st.sampled_from(["message", "function_call", "function_call_output", "reasoning", "web_search_call", None]),
+        "role": st.sampled_from(["user", "assistant", "system", "developer", "tool"]),
+        "content": st.one_of(st.text(max_size=10), st.lists(st.fixed_dictionaries(
+            {"type": st.sampled_from(["input_text", "output_text", "input_image", "reasoning_text"]),
+             "text": st.one_of(st.text(max_size=8), scalars)}), max_size=2), scalars),
+        "call_id": st.one_of(st.text(max_size=4), scalars), "name": st.sampled_from(["get_weather", "nope", 3]),
+        "arguments": st.sampled_from(['{"city": "Paris"}', "{", 5]), "output": st.one_of(st.text(max_size=6), nested),
+    })
+    plausible = {
+        "input": st.one_of(st.text(max_size=10), st.lists(item, max_size=3), nested),
+        "instructions": st.one_of(st.text(max_size=10), scalars),
+        "max_output_tokens": st.one_of(st.integers(-2, 4), scalars),
+        "temperature": st.one_of(st.floats(-1, 3), scalars), "top_p": st.one_of(st.floats(-1, 2), scalars),
+        "tools": st.one_of(st.just([TOOL]), st.lists(nested, max_size=2)),
+        "tool_choice": st.sampled_from(["auto", "none", "required", "any", {"type": "function", "name": "get_weather"},
+                                        {"type": "function", "name": "zzz"}, {"type": "mcp"}, 3]),
+        "text": st.sampled_from([{"format": {"type": "text"}}, {"format": {"type": "json_object"}}, {"format": 3},
+                                 {"verbosity": "low"}, {"format": {"type": "json_schema", "name": "x"}}]),
+        "reasoning": st.sampled_from([{"effort": "none"}, {"effort": "high", "summary": "auto"}, {"x": 1}, "low"]),
+        "previous_response_id": st.one_of(st.text(max_size=6), scalars),
+        "store": scalars, "stream": st.booleans(), "include": st.one_of(st.lists(st.text(max_size=12), max_size=2), scalars),
+        "truncation": st.sampled_from(["auto", "disabled", None, 1]), "metadata": nested,
+        "background": scalars, "conversation": scalars, "parallel_tool_calls": scalars, "logit_bias": nested,
+    }
+    seen: dict[int, int] = {}
+
+    @settings(max_examples=60, deadline=None, suppress_health_check=list(HealthCheck), derandomize=True)
+    @given(changes=st.fixed_dictionaries({}, optional=plausible))
+    def check(changes):
+        body = {"model": "qwen-style", "input": "hi", "max_output_tokens": 3, **changes}
+        r = qwen_app.post("/v1/responses", json=body)
+        assert r.status_code in (200, 400, 404), (r.status_code, r.text[:300], body)
+        seen[r.status_code] = seen.get(r.status_code, 0) + 1
+        if r.status_code != 200:
+            assert set(r.json()["error"]) == {"message", "type", "param", "code"}
+        elif not body.get("stream"):
+            Response.model_validate(r.json())
+
+    check()
+    assert seen.get(200, 0) >= 5 and seen.get(400, 0) >= 10, seen
