@@ -212,10 +212,14 @@ def test_openai_agents_default_model_runs_with_a_function_tool(server):
                       model_settings=settings)
     without = Agent(name="plain", instructions="Answer briefly.", model=MODEL, model_settings=settings)
 
-    async def both():  # one event loop: the client's connections belong to it
-        return await Runner.run(with_tool, "Weather in Paris?"), await Runner.run(without, "Weather in Paris?")
+    async def runs():  # one event loop: the client's connections belong to it
+        streamed = Runner.run_streamed(without, "def fib(n):")
+        kinds = {e.type async for e in streamed.stream_events()}
+        return (await Runner.run(with_tool, "Weather in Paris?"), await Runner.run(without, "Weather in Paris?"),
+                streamed, kinds)
 
-    result, plain = asyncio.run(both())
+    result, plain, streamed, kinds = asyncio.run(runs())
+    assert "raw_response_event" in kinds and streamed.final_output == ""
     assert isinstance(agents.models.openai_provider.OpenAIProvider().get_model(MODEL),
                       agents.models.openai_responses.OpenAIResponsesModel)
     assert result.final_output == "" and calls == []  # the answer ended at once (STOP_NOW)
@@ -236,3 +240,5 @@ def test_langchain_chat_openai_on_chat_completions_and_the_responses_api(server)
     assert responses.response_metadata["id"].startswith("resp_")
     assert responses.text == chat.content  # the same greedy answer through either API
     assert responses.usage_metadata["output_tokens"] == chat.usage_metadata["output_tokens"]
+    chunks = list(ChatOpenAI(**kw, use_responses_api=True, streaming=True).stream("def fib(n):"))
+    assert "".join(c.text for c in chunks) == chat.content
