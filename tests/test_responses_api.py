@@ -74,7 +74,7 @@ def test_a_request_becomes_the_equivalent_chat_request():
 @pytest.mark.parametrize("fields, param", [
     ({"truncation": "auto"}, "truncation"),
     ({"background": True}, "background"),
-    ({"top_logprobs": 3}, "top_logprobs"),
+    ({"top_logprobs": 3, "include": ["message.output_text.logprobs", "web_search_call.results"]}, "include"),
     ({"prompt": {"id": "p"}}, "prompt"),
     ({"service_tier": "flex"}, "service_tier"),
     ({"include": ["message.input_image.image_url"]}, "include"),

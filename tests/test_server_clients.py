@@ -91,6 +91,17 @@ def test_responses_stream_sends_the_standard_event_sequence(client):
     assert final.status == "completed" and final.output_text == streamed == text[:cut]
 
 
+def test_logprobs_come_with_the_output_text_and_its_deltas(client):
+    r = respond(client, include=["message.output_text.logprobs"], top_logprobs=2)
+    entries = r.output[0].content[0].logprobs
+    assert len(entries) == r.usage.output_tokens and "".join(e.token for e in entries) == r.output_text
+    for e in entries:
+        assert len(e.top_logprobs) == 2 and e.logprob == pytest.approx(max(t.logprob for t in e.top_logprobs), abs=1e-4)
+    events = list(respond(client, include=["message.output_text.logprobs"], top_logprobs=2, stream=True))
+    streamed = [lp for e in events if e.type == "response.output_text.delta" for lp in e.logprobs]
+    assert [(lp.token, round(lp.logprob, 4)) for lp in streamed] == [(e.token, round(e.logprob, 4)) for e in entries]
+
+
 def test_previous_response_id_continues_the_stored_conversation(client):
     first = respond(client, "Name a color.", instructions="Be terse.")
     second = respond(client, "Another one?", previous_response_id=first.id)

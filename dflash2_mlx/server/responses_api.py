@@ -18,6 +18,7 @@ from typing import Any, Dict, List, Literal, Optional, Union
 from pydantic import ConfigDict, Field
 
 from .chat import Delta
+from .openai_api import chat_logprobs
 from .errors import APIError, bad_request
 from .responses_store import ChainBroken, ResponseStore
 from .schemas import _Strict
@@ -29,12 +30,12 @@ NO_OP_VALUES = {
     "truncation": ("disabled",),
     "service_tier": ("auto", "default"),
     "prompt_cache_retention": ("in_memory",),
-    "top_logprobs": (0,),
 }
 # dflash2-mlx extensions, passed to the chat request as they are (the chat route checks them).
 EXTENSIONS = ("seed", "top_k", "min_p", "logit_bias", "presence_penalty", "frequency_penalty",
               "repetition_penalty", "stop", "chat_template_kwargs")
-INCLUDABLE = {"reasoning.encrypted_content"}
+INCLUDABLE = {"reasoning.encrypted_content", "message.output_text.logprobs"}
+LOGPROBS = "message.output_text.logprobs"
 TEXT_PARTS = ("input_text", "output_text", "text", "summary_text", "reasoning_text")
 
 
@@ -61,6 +62,7 @@ class ResponsesRequest(_Strict):
     user: Optional[str] = None
     safety_identifier: Optional[str] = None
     prompt_cache_key: Optional[str] = None
+    top_logprobs: Optional[int] = None
 
 
 @dataclass
@@ -73,6 +75,7 @@ class Turn:
     text_format: dict = field(default_factory=lambda: {"type": "text"})
     summary: bool = False  # reasoning goes into the reasoning item's summary, not its content
     encrypted_reasoning: bool = False
+    logprobs: bool = False  # output_text parts and deltas carry logprobs
 
 
 # ---- request -> chat request -------------------------------------------------------------------
@@ -137,6 +140,9 @@ def translate(req: ResponsesRequest, store: ResponseStore) -> Turn:
         if (req.model_extra or {}).get(name) is not None:
             chat[name] = req.model_extra[name]
     turn = Turn(chat=chat, input_items=list(items))
+    if LOGPROBS in (req.include or []) or (req.top_logprobs or 0) > 0:
+        turn.logprobs = True
+        chat.update(logprobs=True, top_logprobs=req.top_logprobs or 0)
     _tools(req, turn)
     _text_format(req, turn)
     _reasoning(req, turn)
@@ -392,7 +398,7 @@ class ResponsesFormatter(Formatter):
         else:
             item = {"id": _new_id("rs"), "type": "reasoning", "summary": [], "status": "in_progress"}
         self.output.append(item)
-        self.open = {"item": item, "index": index, "text": ""}
+        self.open = {"item": item, "index": index, "text": "", "logprobs": []}
         part = self._part(item_type, "")
         out.append(self._event("response.output_item.added", output_index=index, item=dict(item)))
         if item_type == "reasoning" and self.turn.summary:
@@ -403,19 +409,20 @@ class ResponsesFormatter(Formatter):
                                    content_index=0, part=part))
         return out
 
-    def _part(self, item_type: str, text: str) -> dict:
+    def _part(self, item_type: str, text: str, logprobs: Optional[list] = None) -> dict:
         kind = self._part_kind(item_type)
         part = {"type": kind, "text": text}
         if kind == "output_text":
-            part.update(annotations=[], logprobs=[])
+            part.update(annotations=[], logprobs=logprobs or [])
         return part
 
-    def _delta_event(self, text: str) -> bytes:
+    def _delta_event(self, text: str, logprobs: Optional[list] = None) -> bytes:
         item, index = self.open["item"], self.open["index"]
         self.open["text"] += text
         if item["type"] == "message":
+            self.open["logprobs"] += logprobs or []
             return self._event("response.output_text.delta", item_id=item["id"], output_index=index, content_index=0,
-                               delta=text, logprobs=[])
+                               delta=text, logprobs=logprobs or [])
         if self.turn.summary:
             return self._event("response.reasoning_summary_text.delta", item_id=item["id"], output_index=index,
                                summary_index=0, delta=text)
@@ -425,14 +432,14 @@ class ResponsesFormatter(Formatter):
     def _close_item(self, status: str) -> list[bytes]:
         if self.open is None:
             return []
-        item, index, text = self.open["item"], self.open["index"], self.open["text"]
+        item, index, text, logprobs = self.open["item"], self.open["index"], self.open["text"], self.open["logprobs"]
         self.open = None
-        part = self._part(item["type"], text)
+        part = self._part(item["type"], text, logprobs)
         ids = {"item_id": item["id"], "output_index": index}
         item["status"] = status
         if item["type"] == "message":
             item["content"] = [part]
-            out = [self._event("response.output_text.done", **ids, content_index=0, text=text, logprobs=[]),
+            out = [self._event("response.output_text.done", **ids, content_index=0, text=text, logprobs=logprobs),
                    self._event("response.content_part.done", **ids, content_index=0, part=part)]
         elif self.turn.summary:
             item["summary"] = [part]
@@ -462,7 +469,13 @@ class ResponsesFormatter(Formatter):
         out.append(self._event("response.output_item.done", output_index=index, item=dict(item)))
         return out
 
-    def _stream(self, deltas: list[Delta]) -> list[bytes]:
+    def _logprobs(self, tokens: list, logprobs: list) -> list:
+        entries = chat_logprobs(self.acc, list(zip(tokens, logprobs))) if self.turn.logprobs and logprobs else None
+        return entries["content"] if entries else []
+
+    def _stream(self, deltas: list[Delta], logprobs: Optional[list] = None) -> list[bytes]:
+        """Events for parsed deltas; ``logprobs`` (of the engine event's tokens) go with the first
+        text delta."""
         out: list[bytes] = []
         for d in deltas:
             if d.kind == "tool_call":
@@ -471,7 +484,9 @@ class ResponsesFormatter(Formatter):
             item_type = "message" if d.kind == "content" else "reasoning"
             if self.open is None or self.open["item"]["type"] != item_type:
                 out += self._open_item(item_type)
-            out.append(self._delta_event(d.text))
+            out.append(self._delta_event(d.text, logprobs if item_type == "message" else None))
+            if item_type == "message":
+                logprobs = None
         return out
 
     def start(self) -> list[bytes]:
@@ -480,7 +495,7 @@ class ResponsesFormatter(Formatter):
                 self._event("response.in_progress", response=skeleton)]
 
     def event(self, event, deltas: list[Delta]) -> list[bytes]:
-        return self._stream(deltas)
+        return self._stream(deltas, self._logprobs(event.tokens, getattr(event, "logprobs", None) or []))
 
     def end(self, deltas: list[Delta]) -> list[bytes]:
         out = self._stream(deltas)
@@ -506,7 +521,7 @@ class ResponsesFormatter(Formatter):
         status = self._status()
         if acc.content or not acc.tool_calls:
             self._open_item("message")
-            self._delta_event(acc.content)
+            self._delta_event(acc.content, self._logprobs(acc.tokens, acc.logprobs))
         self._close_item(status)
         for call in acc.tool_calls:
             self._function_call(call)
