@@ -15,6 +15,7 @@ from typing import Iterator, Optional, Sequence, Union
 
 import mlx.core as mx
 
+from .constrained import Grammar, GrammarState
 from .drafter import Drafter
 from .prefix_cache import PrefixCache, PrefixEntry
 from .profiling import CycleProfiler
@@ -39,6 +40,7 @@ class GenerationSettings:
     prefill_step_size: int = 512
     logprobs: int = 0  # 0: off; n: each token's log-probability and the top n alternatives
     cancel: Optional[threading.Event] = None  # set it to stop (checked between chunks and cycles)
+    grammar: Optional[Grammar] = None  # constrained output: masks every picked and verified token
     # bench --profile: time per cycle phase (adds host syncs, and drafts every block after the
     # previous cycle's sync instead of ahead of it, so that the phases do not overlap)
     profiler: Optional[CycleProfiler] = None
@@ -243,12 +245,15 @@ def _check_cancel(settings: GenerationSettings) -> None:
         raise Cancelled()
 
 
-def _pick(logits: mx.array, history: Union[list[int], mx.array], settings: GenerationSettings) -> mx.array:
+def _pick(logits: mx.array, history: Union[list[int], mx.array], settings: GenerationSettings,
+          grammar: Optional[GrammarState] = None) -> mx.array:
     """The next token from one row of logits [1, V], exactly as plain decoding picks it."""
     if settings.logits_processors:
         if not isinstance(history, mx.array):
             history = mx.array(history, dtype=mx.int32)
         logits = apply_processors(settings.logits_processors, history, logits)
+    if grammar is not None:
+        logits = grammar.mask_next(logits)
     if settings.sampling.greedy:
         return mx.argmax(logits, axis=-1), logits
     return sample(probabilities(logits, settings.sampling)), logits
@@ -280,14 +285,14 @@ def _start(runner, prompt, settings, tokenizer):
     return settings, stats, _Output(settings, tokenizer, stats, time.perf_counter())
 
 
-def _prefill_and_pick(runner, prompt, settings, out, drafter, prefix_cache, save_at):
+def _prefill_and_pick(runner, prompt, settings, out, drafter, prefix_cache, save_at, grammar=None):
     """Prefill, then the first generated token -> (cache, context, token, processed logits), or
     None when cancelled during prefill."""
     try:
         logits, cache, context, out.stats.cached_tokens = prefill(runner, prompt, settings, drafter, prefix_cache, save_at)
     except Cancelled:
         return None
-    token, processed = _pick(logits, list(prompt), settings)
+    token, processed = _pick(logits, list(prompt), settings, grammar)
     mx.eval(token)
     out.stats.prefill_seconds = time.perf_counter() - out.t_start
     return cache, context, token, processed
@@ -303,7 +308,8 @@ def generate_autoregressive(
 ) -> Iterator[GenerationEvent]:
     """Plain decoding with the same target, processing and events (the baseline)."""
     settings, stats, out = _start(runner, prompt, settings, tokenizer)
-    first = _prefill_and_pick(runner, prompt, settings, out, None, prefix_cache, save_at)
+    grammar = settings.grammar.start() if settings.grammar is not None else None
+    first = _prefill_and_pick(runner, prompt, settings, out, None, prefix_cache, save_at, grammar)
     if first is None:
         yield out.cancel()
         return
@@ -317,7 +323,10 @@ def generate_autoregressive(
             logits, _ = runner(token.reshape(1, 1).astype(mx.int32), cache)
             lazy_history = mx.concatenate([mx.array(history, dtype=mx.int32), token.reshape(1).astype(mx.int32)]) \
                 if settings.logits_processors else None
-            ahead = _pick(logits[:, -1], lazy_history, settings)
+            if grammar is not None:  # the next mask needs this token: read it while the step computes
+                mx.async_eval(logits)
+                grammar.commit([int(token.item())])
+            ahead = _pick(logits[:, -1], lazy_history, settings, grammar)
             mx.async_eval(ahead[0])
         t = int(token.item())
         logprobs = None
@@ -358,7 +367,8 @@ def generate_speculative(
     taps = cfg.target_layer_ids
     stats.accepted_by_position = [0] * (block_size - 1)
     stats.drafted_by_position = [0] * (block_size - 1)
-    first = _prefill_and_pick(runner, prompt, settings, out, drafter, prefix_cache, save_at)
+    grammar = settings.grammar.start() if settings.grammar is not None else None
+    first = _prefill_and_pick(runner, prompt, settings, out, drafter, prefix_cache, save_at, grammar)
     if first is None:
         yield out.cancel()
         return
@@ -366,6 +376,8 @@ def generate_speculative(
     committed = list(prompt)
     anchor = int(token.item())
     committed.append(anchor)
+    if grammar is not None:
+        grammar.commit([anchor])
     logprobs = _logprob_list(*_logprobs(processed, token, settings.logprobs), 1) if settings.logprobs else None
     event = out.add([anchor], logprobs=logprobs)
     new_features = None  # target features of positions committed since the drafter last saw them
@@ -428,6 +440,9 @@ def generate_speculative(
         if settings.logits_processors:  # row i sees committed + d1..di, as plain decoding did
             history = mx.concatenate([mx.array(committed, dtype=mx.int32), draft])
             verify_logits = apply_processors(settings.logits_processors, history, verify_logits)
+        if grammar is not None:  # the drafts are computed before the verify pass: read them while it runs
+            mx.async_eval(verify_logits)
+            verify_logits = grammar.mask_verify(verify_logits, draft.tolist())
         if prof:
             prof.mark("verify", verify_logits, verify_features)
         # Accept, on the device: the longest agreeing prefix (greedy) or rejection sampling.
@@ -467,6 +482,8 @@ def generate_speculative(
         else:
             new_features = verify_features[:, : accepted + 1]
         committed += new_tokens
+        if grammar is not None:
+            grammar.commit(new_tokens)
         anchor_in = bonus_arr
         event = out.add(new_tokens, accepted, bs - 1, logprobs=logprobs)
         stats.verify_steps += 1

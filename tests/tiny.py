@@ -208,6 +208,32 @@ def write_tokenizer(path: Path) -> None:
     }))
 
 
+def write_letters_tokenizer(path: Path, letters: str = "abcd") -> list[int]:
+    """A byte-level tokenizer whose vocabulary is ``letters`` (ids 0..n-1), then <eos>, <mask>;
+    returns [eos id, mask id]. Small enough for exact distribution tests with a grammar."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+
+    vocab = {ch: i for i, ch in enumerate(letters)}
+    eos, mask = len(letters), len(letters) + 1
+    vocab.update({"<eos>": eos, "<mask>": mask})
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.add_special_tokens(["<eos>", "<mask>"])
+    path.mkdir(parents=True, exist_ok=True)
+    tok.save(str(path / "tokenizer.json"))
+    (path / "tokenizer_config.json").write_text(json.dumps({"tokenizer_class": "PreTrainedTokenizerFast",
+                                                            "eos_token": "<eos>"}))
+    return [eos, mask]
+
+
+def load_tokenizer(path: Path):
+    """mlx-lm's TokenizerWrapper for a directory written by one of the functions above."""
+    from mlx_lm.tokenizer_utils import load
+
+    return load(path)
+
+
 class OracleDrafter(Drafter):
     """A real drafter whose proposals are replaced by a known continuation, corrupted on purpose.
 

@@ -4,7 +4,7 @@ Modules: ``app`` (routes, auth, limits), ``worker`` (the thread that owns the mo
 cancellation, the prefix cache), ``openai_api`` / ``anthropic_api`` (request conversion and
 response shapes), ``chat`` (prompt rendering, reasoning and tool-call parsing), ``stream`` (one
 request's lifecycle: waiting, streaming, disconnects, timeouts), ``params`` (sampling parameters ->
-engine settings), ``json_constraint`` (JSON mode), ``schemas``, ``errors``, ``metrics``.
+engine settings), ``structured`` (JSON mode, JSON schemas and forced tool calls as one output constraint), ``schemas``, ``errors``, ``metrics``.
 """
 
 from .app import ServerConfig, create_app

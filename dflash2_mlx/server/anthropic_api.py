@@ -13,6 +13,7 @@ from .errors import bad_request
 from .params import build_params, check_max_tokens
 from .schemas import MessagesRequest
 from .stream import Accumulator, Formatter, sse
+from .structured import anthropic_tool_choice_constraint, response_format_constraint
 
 
 def _block_text(content, param: str) -> str:
@@ -98,11 +99,22 @@ def convert(req: MessagesRequest) -> tuple[list[dict], Optional[list[dict]], dic
     return messages, tools, kwargs
 
 
+def output_constraint(req: MessagesRequest, tools: Optional[list[dict]]):
+    """Forced tool use (``tool_choice`` any / tool) or ``output_config.format`` (a JSON schema)."""
+    forced = anthropic_tool_choice_constraint(tools, req.tool_choice) if tools else None
+    fmt, param = (req.output_config or {}).get("format"), "output_config.format"
+    if fmt is None and req.output_format is not None:
+        fmt, param = req.output_format, "output_format"
+    if fmt is not None and not (isinstance(fmt, dict) and fmt.get("type") == "json_schema"):
+        raise bad_request(f"{param} must be {{\"type\": \"json_schema\", \"schema\": {{...}}}}", param)
+    return forced or response_format_constraint(fmt, param)
+
+
 def prepare(req: MessagesRequest, worker, default_max_tokens: int):
     max_tokens = check_max_tokens(req.max_tokens, default_max_tokens)
-    params = build_params(req, max_tokens=max_tokens, vocab_size=worker.vocab_size, defaults=worker.defaults,
-                          stop=req.stop_sequences)
     messages, tools, kwargs = convert(req)
+    params = build_params(req, max_tokens=max_tokens, vocab_size=worker.vocab_size, defaults=worker.defaults,
+                          stop=req.stop_sequences, constraint=output_constraint(req, tools))
     return messages, tools, kwargs, params
 
 

@@ -290,7 +290,7 @@ def create_app(config: ServerConfig, worker: Optional[Worker] = None, metrics: O
         prompt = await asyncio.to_thread(render_chat, worker.tokenizer, messages, tools, kwargs,
                                          worker.prefix_cache is not None)
         context_check(prompt.ids, param)
-        parser = OutputParser(worker.tokenizer, prompt.initial_state, tools)
+        parser = OutputParser(worker.tokenizer, prompt.initial_state, tools, forced_tool_calls=params.forces_tool_calls)
         acc = Accumulator(worker.tokenizer, len(prompt.ids), parser, tuple(params.stop), params.top_logprobs)
         return make_job(request, prompt.ids, params, prompt.save_at), acc
 
@@ -368,7 +368,7 @@ def create_app(config: ServerConfig, worker: Optional[Worker] = None, metrics: O
     async def messages(request: Request):
         req, tools, params, prompt = await _anthropic_prompt(request)
         context_check(prompt.ids, "messages")
-        parser = OutputParser(worker.tokenizer, prompt.initial_state, tools)
+        parser = OutputParser(worker.tokenizer, prompt.initial_state, tools, forced_tool_calls=params.forces_tool_calls)
         acc = Accumulator(worker.tokenizer, len(prompt.ids), parser, tuple(params.stop))
         fmt = MessagesFormatter(acc, req.model)
         return respond(request, make_job(request, prompt.ids, params, prompt.save_at), fmt, req.stream)

@@ -193,16 +193,27 @@ class OutputParser:
     """Splits streamed model text into content, reasoning and complete tool calls."""
 
     def __init__(self, tokenizer, state: str = "normal", tools: Optional[list] = None,
-                 reasoning: bool = True, tool_calls: bool = True):
+                 reasoning: bool = True, tool_calls: bool = True, forced_tool_calls: bool = False):
+        """``forced_tool_calls``: the output is grammar-forced into tool calls
+        (``structured.tool_call_markers``' format), parsed as such even when mlx-lm knows no tool
+        format for this model."""
         from mlx_lm.generate import TextStateMachine
 
+        from .structured import tool_call_markers
+
         self._sm_cls = TextStateMachine
-        self.parse_tools = bool(tool_calls and tools and getattr(tokenizer, "has_tool_calling", False))
+        self.parse_tools = bool(tool_calls and tools and (forced_tool_calls or getattr(tokenizer, "has_tool_calling", False)))
         self.parse_reasoning = bool(reasoning and getattr(tokenizer, "has_thinking", False))
         self.tools = tools
-        self.tool_parser = tokenizer.tool_parser if self.parse_tools else None
-        self.tool_start = tokenizer.tool_call_start if self.parse_tools else None
-        self.tool_end = tokenizer.tool_call_end if self.parse_tools else None
+        if self.parse_tools and forced_tool_calls:
+            from mlx_lm.tool_parsers.json_tools import parse_tool_call
+
+            self.tool_parser = parse_tool_call
+            self.tool_start, self.tool_end = tool_call_markers(tokenizer)
+        else:
+            self.tool_parser = tokenizer.tool_parser if self.parse_tools else None
+            self.tool_start = tokenizer.tool_call_start if self.parse_tools else None
+            self.tool_end = tokenizer.tool_call_end if self.parse_tools else None
         transitions: dict[str, list] = {}
         if self.parse_reasoning:
             transitions["normal"] = [(tokenizer.think_start, "reasoning")]

@@ -18,12 +18,14 @@ from .schemas import (
     Completion,
     CompletionChoice,
     CompletionRequest,
+    NamedToolChoice,
     ResponseFunction,
     ResponseToolCall,
     Speculative,
     Usage,
 )
 from .stream import Accumulator, Formatter, sse
+from .structured import structured_output
 
 log = logging.getLogger("dflash2_mlx.server")
 
@@ -35,17 +37,17 @@ def prepare_chat(req: ChatCompletionRequest, worker, default_max_tokens: int):
     refuse_legacy_functions(req)
     max_tokens = check_max_tokens(req.max_completion_tokens, None, "max_completion_tokens") \
         if req.max_completion_tokens is not None else check_max_tokens(req.max_tokens, default_max_tokens)
-    json_mode = False
-    if req.response_format is not None:
-        if req.response_format.type == "json_schema":
-            raise bad_request("response_format json_schema is not supported; use {\"type\": \"json_object\"}",
-                              "response_format")
-        json_mode = req.response_format.type == "json_object"
+    constraint = structured_output(
+        req.response_format.model_dump(exclude_none=True) if req.response_format is not None else None,
+        [t.model_dump(exclude_none=True) for t in req.tools] if req.tools else None,
+        req.tool_choice.model_dump() if isinstance(req.tool_choice, NamedToolChoice) else req.tool_choice,
+        req.parallel_tool_calls,
+    )
     top = req.top_logprobs or 0
     if top and not req.logprobs:
         raise bad_request("top_logprobs needs logprobs: true", "top_logprobs")
     params = build_params(req, max_tokens=max_tokens, vocab_size=worker.vocab_size, defaults=worker.defaults,
-                          logprobs=bool(req.logprobs), top_logprobs=top, json_mode=json_mode)
+                          logprobs=bool(req.logprobs), top_logprobs=top, constraint=constraint)
     messages = openai_messages(req.messages)
     tools = openai_tools(req.tools, req.tool_choice)
     kwargs = template_kwargs(req.chat_template_kwargs)

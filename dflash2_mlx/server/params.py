@@ -4,7 +4,9 @@
 ``to_settings`` builds the engine's ``GenerationSettings`` and logits processors on the worker
 thread, so that every MLX array is made by the thread that owns the model. Penalties and
 logit_bias are logits processors: the engine applies them to each verify row with the history
-plain decoding would have seen, so speculative decoding stays lossless with them on.
+plain decoding would have seen, so speculative decoding stays lossless with them on. Structured
+output (``structured.OutputConstraint``: JSON mode, a JSON schema, forced tool calls) becomes the
+engine's grammar, which masks every verify row the same way.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from typing import Optional
 
 from .errors import bad_request
 from .schemas import MAX_STOP, MAX_TOP_LOGPROBS
+from .structured import OutputConstraint
 
 MAX_STOP_CHARS = 512
 MAX_LOGIT_BIAS = 2048
@@ -35,7 +38,11 @@ class GenParams:
     logit_bias: dict[int, float] = field(default_factory=dict)
     logprobs: bool = False
     top_logprobs: int = 0
-    json_mode: bool = False
+    constraint: Optional[OutputConstraint] = None  # structured output (structured.py)
+
+    @property
+    def forces_tool_calls(self) -> bool:
+        return self.constraint is not None and self.constraint.forces_tool_calls
 
 
 def check_max_tokens(value: Optional[int], default: int, param: str = "max_tokens") -> int:
@@ -47,7 +54,8 @@ def check_max_tokens(value: Optional[int], default: int, param: str = "max_token
 
 
 def build_params(req, *, max_tokens: int, vocab_size: int, defaults: dict, stop=None,
-                 logprobs: bool = False, top_logprobs: int = 0, json_mode: bool = False) -> GenParams:
+                 logprobs: bool = False, top_logprobs: int = 0,
+                 constraint: Optional[OutputConstraint] = None) -> GenParams:
     """Check the sampling fields shared by all routes (``req`` has temperature, top_p, ... attributes)."""
     from dflash2_mlx.sampling import SamplingSettings
 
@@ -76,7 +84,7 @@ def build_params(req, *, max_tokens: int, vocab_size: int, defaults: dict, stop=
         min_p=float(min_p), seed=None if seed is None else seed % 2**64, stop=stops,
         presence_penalty=getattr(req, "presence_penalty", None), frequency_penalty=getattr(req, "frequency_penalty", None),
         repetition_penalty=getattr(req, "repetition_penalty", None), logit_bias=bias,
-        logprobs=logprobs or top_logprobs > 0, top_logprobs=top_logprobs, json_mode=json_mode,
+        logprobs=logprobs or top_logprobs > 0, top_logprobs=top_logprobs, constraint=constraint,
     )
 
 
@@ -115,7 +123,7 @@ def _logit_bias(bias, vocab_size: int) -> dict[int, float]:
     return out
 
 
-def to_settings(p: GenParams, tokenizer, cancel: threading.Event, prompt_len: int):
+def to_settings(p: GenParams, tokenizer, cancel: threading.Event, prompt_len: int = 0):
     """The engine settings for one request (worker thread only: makes MLX arrays)."""
     from mlx_lm.sample_utils import make_logits_processors
 
@@ -128,17 +136,15 @@ def to_settings(p: GenParams, tokenizer, cancel: threading.Event, prompt_len: in
         presence_penalty=p.presence_penalty,
         frequency_penalty=p.frequency_penalty,
     ))
-    if p.json_mode:
-        from .json_constraint import JsonConstraint
-
-        processors.append(JsonConstraint.for_tokenizer(tokenizer, prompt_len))
+    stop_ids = sorted(tokenizer.eos_token_ids)
     return GenerationSettings(
         max_tokens=p.max_tokens,
         sampling=SamplingSettings(temperature=p.temperature, top_p=p.top_p, top_k=p.top_k, min_p=p.min_p),
         seed=p.seed,
-        stop_token_ids=sorted(tokenizer.eos_token_ids),
+        stop_token_ids=stop_ids,
         stop_strings=list(p.stop),
         logits_processors=processors,
         logprobs=max(p.top_logprobs, 1) if p.logprobs else 0,
         cancel=cancel,
+        grammar=p.constraint.grammar(tokenizer, stop_ids) if p.constraint is not None else None,
     )

@@ -179,6 +179,8 @@ class MessagesRequest(_Strict):
     tool_choice: Optional[AnthropicToolChoice] = None
     thinking: Optional[AnthropicThinking] = None
     metadata: Optional[Dict[str, Any]] = None
+    output_config: Optional[Dict[str, Any]] = None  # {"format": {"type": "json_schema", "schema": ...}}
+    output_format: Optional[Dict[str, Any]] = None  # the structured-outputs beta's spelling of the same
 
 
 # ---- responses ---------------------------------------------------------------------------------

@@ -1,0 +1,231 @@
+"""Constrained decoding: a grammar (JSON Schema, any JSON object, or a Lark grammar) masks the logits.
+
+Built on llguidance (chosen over xgrammar by measurement, see docs/server.md "Structured output"):
+it needs no other package, names the JSON Schema keywords it cannot enforce, rolls back any number
+of tokens, and takes Lark grammars with embedded JSON schemas (forced tool calls).
+
+A ``Grammar`` is compiled once per request (immutable, reusable across generations); the decode
+loops call ``Grammar.start()`` for a fresh ``GrammarState`` and then use three calls:
+
+- ``mask_next(logits [1, V])``: mask the next token after everything committed (the prefill's
+  token, each autoregressive step);
+- ``mask_verify(logits [R + 1, V], drafts)``: mask verify row i as plain decoding would have seen
+  it, after the committed tokens and drafts d1..di (the matcher is advanced along the drafts and
+  rolled back; rows after a draft the grammar refuses are left unmasked: they can never be used,
+  because that draft is rejected);
+- ``commit(tokens)``: advance by the tokens really emitted (accepted drafts + bonus).
+
+Masks are built on the host as bitmasks, then turned into a boolean array and applied with one
+``where``; the decode loop asks for them while the device computes the verify pass.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import threading
+from typing import Any, Optional, Sequence
+
+import mlx.core as mx
+import numpy as np
+
+# Whitespace is fixed (", " and ": ", no newlines): a model cannot pad forever, and the output is
+# the compact style json.dumps writes.
+JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+_UNIMPLEMENTED = re.compile(r'Unimplemented keys: \[(.*?)\]')
+
+
+class GrammarError(ValueError):
+    """A schema or grammar the engine cannot enforce; ``keyword`` names the culprit when known."""
+
+    def __init__(self, message: str, keyword: Optional[str] = None):
+        super().__init__(message)
+        self.keyword = keyword
+
+
+def json_schema_grammar(schema: dict, strict: bool = False) -> str:
+    """The llguidance grammar for a JSON Schema (``strict``: objects take no unlisted properties
+    unless the schema says otherwise, as OpenAI's strict mode demands). Raises ``GrammarError``."""
+    import llguidance
+
+    if not isinstance(schema, dict):
+        raise GrammarError(f"a JSON schema must be an object, got {type(schema).__name__}")
+    if strict:
+        schema = _closed_objects(schema)
+    try:
+        grammar = llguidance.LLMatcher.grammar_from_json_schema(schema, defaults=JSON_OPTIONS)
+    except (ValueError, TypeError) as e:
+        raise GrammarError(f"the schema is not valid JSON Schema: {e}") from None
+    check_grammar(grammar)
+    return grammar
+
+
+def json_object_grammar() -> str:
+    """Any JSON object (OpenAI's ``json_object`` mode)."""
+    return json_schema_grammar({"type": "object"})
+
+
+def lark_grammar(text: str) -> str:
+    """An llguidance grammar from Lark text (it may embed ``%json {schema}``). Raises ``GrammarError``."""
+    import llguidance
+
+    grammar = llguidance.LLMatcher.grammar_from_lark(text)
+    check_grammar(grammar)
+    return grammar
+
+
+def check_grammar(grammar: str) -> None:
+    """Raise ``GrammarError`` (naming an unsupported JSON Schema keyword) if llguidance refuses it.
+    Needs no tokenizer, so requests can be checked before they are queued."""
+    import llguidance
+
+    error = llguidance.LLMatcher.validate_grammar(grammar)
+    if not error:
+        return
+    m = _UNIMPLEMENTED.search(error)
+    if m:
+        keys = [k.strip().strip('"') for k in m.group(1).split(",") if k.strip()]
+        raise GrammarError(f"the schema uses {', '.join(repr(k) for k in keys)}, which constrained decoding "
+                           "cannot enforce; remove it", keys[0] if keys else None)
+    raise GrammarError(f"the schema cannot be enforced: {error.strip().splitlines()[0][:300]}")
+
+
+def _closed_objects(schema: Any) -> Any:
+    """A copy of ``schema`` where every object schema with ``properties`` and no
+    ``additionalProperties`` gets ``additionalProperties: false``."""
+    if isinstance(schema, list):
+        return [_closed_objects(s) for s in schema]
+    if not isinstance(schema, dict):
+        return schema
+    out = {k: (v if k in ("const", "enum", "default", "examples") else _closed_objects(v)) for k, v in schema.items()}
+    if "properties" in out and "additionalProperties" not in out:
+        out["additionalProperties"] = False
+    return out
+
+
+# ---- tokenizers ---------------------------------------------------------------------------------
+
+_TOKENIZERS: dict[int, Any] = {}
+_TOKENIZERS_LOCK = threading.Lock()
+
+
+def grammar_tokenizer(tokenizer, stop_token_ids: Sequence[int] = ()):
+    """llguidance's view of a Hugging Face (or mlx-lm wrapped) fast tokenizer, built once per
+    tokenizer (it takes seconds at a 248K vocabulary: the server warms it up after loading)."""
+    import llguidance.hf
+
+    hf = getattr(tokenizer, "_tokenizer", tokenizer)
+    stops = sorted(set(stop_token_ids) or set(getattr(tokenizer, "eos_token_ids", ()) or ()) or {hf.eos_token_id})
+    key = id(hf)
+    with _TOKENIZERS_LOCK:
+        cached = _TOKENIZERS.get(key)
+        if cached is None or cached[0] is not hf or cached[1] != stops:
+            cached = (hf, stops, llguidance.hf.from_tokenizer(hf, eos_token=list(stops)))
+            _TOKENIZERS[key] = cached
+        return cached[2]
+
+
+class Grammar:
+    """One request's grammar, compiled for one tokenizer.
+
+    ``stop_token_ids`` end the text once the grammar is complete (the engine's stop tokens); a
+    grammar that reached its end allows nothing but them.
+    """
+
+    def __init__(self, grammar: str, tokenizer, stop_token_ids: Sequence[int] = ()):
+        import llguidance
+
+        self.grammar = grammar
+        self.llg_tokenizer = grammar_tokenizer(tokenizer, stop_token_ids)
+        self.stop_token_ids = list(self.llg_tokenizer.eos_tokens)
+        self.words = (self.llg_tokenizer.vocab_size + 31) // 32
+        probe = llguidance.LLMatcher(self.llg_tokenizer, grammar, log_level=0)
+        if probe.is_error():
+            raise GrammarError(f"the grammar cannot be enforced: {probe.get_error()[:300]}")
+
+    @classmethod
+    def json_schema(cls, schema: dict, tokenizer, stop_token_ids: Sequence[int] = (), strict: bool = False) -> "Grammar":
+        return cls(json_schema_grammar(schema, strict), tokenizer, stop_token_ids)
+
+    @classmethod
+    def json_object(cls, tokenizer, stop_token_ids: Sequence[int] = ()) -> "Grammar":
+        return cls(json_object_grammar(), tokenizer, stop_token_ids)
+
+    @classmethod
+    def lark(cls, text: str, tokenizer, stop_token_ids: Sequence[int] = ()) -> "Grammar":
+        return cls(lark_grammar(text), tokenizer, stop_token_ids)
+
+    def start(self) -> "GrammarState":
+        """A matcher at the start of the generated text."""
+        return GrammarState(self)
+
+
+class GrammarState:
+    """The matcher of one generation: masks for the next token and for verify rows, and commits."""
+
+    def __init__(self, grammar: Grammar):
+        import llguidance
+
+        self.grammar = grammar
+        self.matcher = llguidance.LLMatcher(grammar.llg_tokenizer, grammar.grammar, log_level=0)
+        self._bits = np.zeros((16, grammar.words), dtype=np.int32)  # [rows, words]: one bit per token
+        self._stops = set(grammar.stop_token_ids)
+
+    def _fill(self, row: int) -> None:
+        from llguidance.numpy import fill_next_token_bitmask
+
+        fill_next_token_bitmask(self.matcher, self._bits, row)
+        if not self._bits[row].any():  # finished or failed: let a stop token end the text
+            for t in self.grammar.stop_token_ids:
+                self._bits[row, t >> 5] |= np.int32(np.uint32(1 << (t & 31)).view(np.int32))
+
+    def _apply(self, logits: mx.array, rows: int) -> mx.array:
+        """logits [rows, V] with every token outside rows' bitmasks set to -inf."""
+        vocab = logits.shape[-1]
+        allowed = np.unpackbits(self._bits[:rows].view(np.uint8), axis=1, bitorder="little")
+        if allowed.shape[1] < vocab:  # logits wider than the tokenizer: padding ids are never allowed
+            allowed = np.pad(allowed, ((0, 0), (0, vocab - allowed.shape[1])))
+        allowed = mx.array(allowed[:, :vocab].astype(np.bool_))
+        return mx.where(allowed, logits, mx.array(-float("inf"), dtype=logits.dtype))
+
+    def mask_next(self, logits: mx.array) -> mx.array:
+        """logits [1, V] -> the same with the tokens the grammar forbids next set to -inf."""
+        self._fill(0)
+        return self._apply(logits, 1)
+
+    def mask_verify(self, logits: mx.array, drafts: Sequence[int]) -> mx.array:
+        """Verify logits [R + 1, V] for drafts d1..dR -> row i masked after d1..di; the matcher is
+        back where it was afterwards."""
+        rows = logits.shape[0]
+        if rows > self._bits.shape[0]:
+            self._bits = np.zeros((rows, self.grammar.words), dtype=np.int32)
+        consumed = 0
+        for i in range(rows):
+            self._fill(i)
+            if i == rows - 1:
+                break
+            d = int(drafts[i])
+            if d in self._stops or not self._allows(i, d) or not self.matcher.consume_token(d):
+                # d is refused (rejected whatever follows) or ends the text: later rows never count
+                self._bits[i + 1:rows] = -1
+                break
+            consumed += 1
+        self.matcher.rollback(consumed)
+        return self._apply(logits, rows)
+
+    def _allows(self, row: int, token: int) -> bool:
+        return token >> 5 < self._bits.shape[1] and bool((int(self._bits[row, token >> 5]) >> (token & 31)) & 1)
+
+    def commit(self, tokens: Sequence[int]) -> None:
+        """Advance by emitted tokens (each was allowed by the mask it was picked under)."""
+        for t in tokens:
+            if int(t) in self._stops:
+                break  # the text ends here; nothing after a stop token is emitted
+            if not self.matcher.consume_token(int(t)):
+                raise RuntimeError(f"token {t} was emitted although the grammar refused it: {self.matcher.get_error()}")
+
+    @property
+    def done(self) -> bool:
+        """True once the text is complete and nothing but a stop token may follow."""
+        return self.matcher.is_stopped()
+

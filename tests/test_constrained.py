@@ -1,0 +1,236 @@
+"""Constrained decoding stays lossless inside the speculative loop.
+
+The grammar masks every verify row with the history plain decoding would have seen (committed
+tokens + the drafts before that row), so constrained speculative greedy output is constrained
+plain greedy output token for token, and constrained sampling follows the constrained target
+distribution exactly. Drafters here are real modules; ``OracleDrafter`` proposes the constrained
+continuation corrupted at random positions, so drafts that break the grammar, partial accepts and
+full blocks all occur.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from mlx.utils import tree_flatten
+
+import tiny
+from dflash2_mlx.constrained import Grammar, GrammarError, json_schema_grammar
+from dflash2_mlx.engine import GenerationSettings, generate_autoregressive, generate_speculative
+from dflash2_mlx.sampling import SamplingSettings, probabilities
+from dflash2_mlx.target import TargetRunner
+
+# Every keyword the server promises, in one schema whose language is finite (bounded strings,
+# integers and arrays): every constrained generation ends with the stop token by itself.
+SCHEMA = {
+    "$defs": {"point": {"type": "object", "properties": {"x": {"type": "integer", "minimum": 0, "maximum": 99}},
+                        "required": ["x"], "additionalProperties": False}},
+    "type": "object",
+    "properties": {
+        "name": {"type": "string", "maxLength": 4},
+        "kind": {"enum": ["cat", "dog", 7]},
+        "version": {"const": "v1"},
+        "tags": {"type": "array", "items": {"type": "boolean"}, "minItems": 1, "maxItems": 3},
+        "at": {"$ref": "#/$defs/point"},
+        "extra": {"anyOf": [{"type": "null"}, {"type": "integer", "minimum": -9, "maximum": 9}]},
+    },
+    "required": ["name", "kind", "version", "tags", "at"],
+    "additionalProperties": False,
+}
+MAX_TOKENS = 160
+
+
+def _tokens(events):
+    return [t for e in events for t in e.tokens]
+
+
+@pytest.fixture(scope="module")
+def byte_tokenizer(tmp_path_factory):
+    path = tmp_path_factory.mktemp("tok")
+    tiny.write_tokenizer(path)
+    return tiny.load_tokenizer(path)
+
+
+@pytest.fixture(scope="module")
+def schema_grammar(byte_tokenizer):
+    return Grammar.json_schema(SCHEMA, byte_tokenizer, [tiny.EOS_ID])
+
+
+def _text(tokenizer, tokens):
+    return tokenizer.decode([t for t in tokens if t != tiny.EOS_ID])
+
+
+def test_every_constrained_output_of_a_random_model_validates_against_the_schema(hybrid_target, byte_tokenizer,
+                                                                                 schema_grammar):
+    jsonschema = pytest.importorskip("jsonschema")
+    _, model = hybrid_target
+    runner = TargetRunner(model)
+    texts = set()
+    for seed in range(6):
+        settings = GenerationSettings(max_tokens=MAX_TOKENS, grammar=schema_grammar, seed=seed,
+                                      sampling=SamplingSettings(temperature=1.0), stop_token_ids=[tiny.EOS_ID])
+        events = list(generate_autoregressive(runner, [3 + seed, 40, 7], settings))
+        assert events[-1].finish_reason == "stop"  # the grammar ended the text, not max_tokens
+        text = _text(byte_tokenizer, _tokens(events))
+        jsonschema.validate(json.loads(text), SCHEMA)
+        texts.add(text)
+    assert len(texts) > 3  # sampling explored the schema's language, not one fixed answer
+
+
+def test_constrained_speculative_greedy_equals_constrained_plain_greedy(hybrid_target, plain_target, schema_grammar):
+    """40 random set-ups: target kind, drafter version, block size 2..16, oracle drafter corrupted
+    at random rates or a random drafter (whose drafts nearly always break the grammar)."""
+    rng = random.Random(20261203)
+    targets = {"hybrid": hybrid_target, "plain": plain_target}
+    accepted_counts, refused_drafts = set(), 0
+    for case in range(40):
+        kind = rng.choice(["hybrid", "plain"])
+        cfg, model = targets[kind]
+        runner = TargetRunner(model)
+        prompt = [rng.randrange(0, tiny.VOCAB - 4) for _ in range(rng.randint(1, 12))]
+        block = rng.randint(2, 16)
+        settings = GenerationSettings(max_tokens=MAX_TOKENS, block_size=block, grammar=schema_grammar,
+                                      stop_token_ids=[tiny.EOS_ID])
+        plain = _tokens(generate_autoregressive(runner, prompt, settings))
+        dcfg = tiny.drafter_config(cfg, version=rng.choice([1, 2]), block_size=16)
+        base = tiny.build_drafter(dcfg, seed=rng.randrange(1000))
+        if rng.random() < 0.8:
+            continuation = prompt + plain
+            corrupt = {p for p in range(len(prompt) + 1, len(continuation)) if rng.random() < rng.choice([0.05, 0.2, 0.5])}
+            refused_drafts += len(corrupt)
+            drafter = tiny.OracleDrafter(dcfg, continuation, corrupt)
+            drafter.load_weights(tree_flatten(base.parameters()))
+        else:
+            drafter = base
+        events = list(generate_speculative(runner, drafter, prompt, settings))
+        assert _tokens(events) == plain, f"case {case}: {kind}, block {block}"
+        accepted_counts |= {e.accepted for e in events if e.accepted is not None}
+    assert refused_drafts > 0 and {0, 1, 2, 3} <= accepted_counts and max(accepted_counts) >= 8
+
+
+def test_json_object_mode_gives_an_object_and_stays_lossless(hybrid_target, byte_tokenizer):
+    cfg, model = hybrid_target
+    runner = TargetRunner(model)
+    grammar = Grammar.json_object(byte_tokenizer, [tiny.EOS_ID])
+    prompt = [9, 8, 7]
+    settings = GenerationSettings(max_tokens=40, block_size=6, grammar=grammar, stop_token_ids=[tiny.EOS_ID])
+    plain = _tokens(generate_autoregressive(runner, prompt, settings))
+    assert _text(byte_tokenizer, plain).startswith("{")
+    dcfg = tiny.drafter_config(cfg, version=2)
+    drafter = tiny.OracleDrafter(dcfg, prompt + plain, {6, 11, 17})
+    drafter.load_weights(tree_flatten(tiny.build_drafter(dcfg).parameters()))
+    assert _tokens(generate_speculative(runner, drafter, prompt, settings)) == plain
+
+
+def test_verify_masks_follow_the_drafts_and_leave_the_matcher_where_it_was(byte_tokenizer, schema_grammar):
+    state = schema_grammar.start()
+    good = byte_tokenizer.encode('{"name": "ab", "kind": 7', add_special_tokens=False)
+    rows = state.mask_verify(mx.zeros((len(good) + 1, tiny.VOCAB)), good)
+    assert all(rows[i, t].item() == 0 for i, t in enumerate(good))  # each draft allowed in its row
+    assert (rows[0] > -1).sum().item() == 1  # only "{" may start the answer
+    # a refused draft (a key the schema does not have) leaves the rows after it unmasked
+    bad = byte_tokenizer.encode('{"zz"', add_special_tokens=False)
+    rows = state.mask_verify(mx.zeros((len(bad) + 1, tiny.VOCAB)), bad)
+    assert rows[2, bad[2]].item() == -float("inf")
+    assert (rows[3:] > -1).all().item()
+    # the matcher was rolled back both times: it still expects "{"
+    first = state.mask_next(mx.zeros((1, tiny.VOCAB)))
+    assert first[0, good[0]].item() == 0 and (first > -1).sum().item() == 1
+
+
+def test_a_complete_answer_allows_only_the_stop_tokens(byte_tokenizer):
+    grammar = Grammar.json_schema({"const": "x"}, byte_tokenizer, [tiny.EOS_ID, 297])
+    state = grammar.start()
+    state.commit(byte_tokenizer.encode('"x"', add_special_tokens=False))
+    allowed = np.flatnonzero(np.array(state.mask_next(mx.zeros((1, tiny.VOCAB)))[0]) > -1)
+    assert allowed.tolist() == [297, tiny.EOS_ID]
+
+
+@pytest.mark.parametrize("keyword, schema", [
+    ("not", {"not": {"type": "string"}}),
+    ("uniqueItems", {"type": "array", "uniqueItems": True}),
+    ("if", {"if": {"type": "string"}, "then": {"minLength": 2}}),
+    ("contains", {"type": "array", "contains": {"type": "integer"}}),
+])
+def test_a_keyword_the_engine_cannot_enforce_is_named(keyword, schema):
+    with pytest.raises(GrammarError) as err:
+        json_schema_grammar(schema)
+    assert err.value.keyword == keyword and repr(keyword) in str(err.value)
+
+
+def test_strict_mode_closes_objects_that_do_not_say_otherwise(byte_tokenizer):
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
+    extra = byte_tokenizer.encode('{"a": 1, "b"', add_special_tokens=False)
+    for strict, allowed in [(False, True), (True, False)]:
+        state = Grammar.json_schema(schema, byte_tokenizer, [tiny.EOS_ID], strict=strict).start()
+        rows = state.mask_verify(mx.zeros((len(extra) + 1, tiny.VOCAB)), extra)
+        comma = len(byte_tokenizer.encode('{"a": 1', add_special_tokens=False))
+        assert (rows[comma, extra[comma]].item() == 0) == allowed
+
+
+# ---- sampling -----------------------------------------------------------------------------------
+
+# A finite language over the letters a..d whose allowed next letters depend on the history.
+LANGUAGE = ["aba", "abd", "acc", "bad", "bbc", "bdb", "cab", "cdd", "dcb", "ddc"]
+
+
+def _allowed(prefix: list[int]) -> set[int]:
+    letters = "".join("abcd"[t] for t in prefix)
+    return {"abcd".index(s[len(letters)]) for s in LANGUAGE if s.startswith(letters) and len(s) > len(letters)}
+
+
+def _exact_constrained_joint(runner, prompt, sampling, vocab):
+    """P(t1 t2 t3 | prompt) under the target's processed distributions restricted to LANGUAGE."""
+    table = np.zeros((vocab,) * 3)
+
+    def walk(prefix, mass):
+        out = prefix[len(prompt):]
+        logits, _ = runner(mx.array([prefix]), runner.make_cache())
+        keep = mx.array([t in _allowed(out) for t in range(vocab)])
+        p = np.array(probabilities(mx.where(keep, logits[0, -1:], -float("inf")), sampling))[0]
+        for t in range(vocab):
+            if p[t] == 0:
+                continue
+            if len(out) == 2:
+                table[tuple(out + [t])] = mass * p[t]
+            else:
+                walk(prefix + [t], mass * p[t])
+
+    walk(list(prompt), 1.0)
+    return table
+
+
+@pytest.mark.parametrize("version", [1, 2])
+def test_constrained_speculative_sampling_matches_the_constrained_joint_distribution(version, tmp_path):
+    """The first three tokens (prefill's, then a cycle's drafts, accept/reject and bonus, all under
+    the grammar's masks) follow the exact constrained joint distribution (G-test at ALPHA)."""
+    from test_sampling import ALPHA, g_test_pvalue
+
+    eos, mask = tiny.write_letters_tokenizer(tmp_path)
+    tokenizer = tiny.load_tokenizer(tmp_path)
+    grammar = Grammar.lark("start: " + " | ".join(json.dumps(s) for s in LANGUAGE), tokenizer, [eos])
+    vocab = mask + 1
+    cfg = tiny.hybrid_config(vocab=vocab, hidden=32)
+    runner = TargetRunner(tiny.build_target(cfg, seed=3, scale=1.5))
+    sampling = SamplingSettings(temperature=0.9, top_p=0.95)
+    prompt = [1, 0, 2]
+    exact = _exact_constrained_joint(runner, prompt, sampling, vocab).ravel()
+    assert exact.sum() == pytest.approx(1.0, abs=1e-4)
+    dcfg = tiny.drafter_config(cfg, version=version, block_size=4, mask_token_id=mask, top_k=3)
+    drafter = tiny.build_drafter(dcfg, seed=5)
+    counts = np.zeros_like(exact)
+    accepted_any = 0
+    n = 1200
+    for seed in range(n):
+        settings = GenerationSettings(max_tokens=3, sampling=sampling, seed=seed, block_size=3, grammar=grammar,
+                                      stop_token_ids=[eos])
+        events = list(generate_speculative(runner, drafter, prompt, settings))
+        toks = [t for e in events for t in e.tokens]
+        counts[np.ravel_multi_index(toks, (vocab,) * 3)] += 1
+        accepted_any += any((e.accepted or 0) > 0 for e in events)
+    assert 0.05 * n < accepted_any < n  # drafts were both accepted and rejected
+    assert g_test_pvalue(counts, exact) > ALPHA
