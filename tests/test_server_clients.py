@@ -9,9 +9,11 @@ from __future__ import annotations
 
 import asyncio
 import json
+from typing import Literal
 
 import httpx
 import pytest
+from pydantic import BaseModel
 
 from server_helpers import running_server
 
@@ -23,8 +25,16 @@ IM_END, EOS = 2, 0  # the embedded pair's end-of-turn and end-of-text tokens
 NEVER_STOP = {str(IM_END): -100, str(EOS): -100}  # runs to max_output_tokens
 STOP_NOW = {str(IM_END): 100}  # ends at once: an empty, complete answer
 TOOL = {"type": "function", "name": "get_weather", "description": "Weather for a city",
-        "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"],
-                       "additionalProperties": False}}
+        "parameters": {"type": "object", "properties": {"city": {"type": "string", "enum": ["Paris", "Rome"]}},
+                       "required": ["city"], "additionalProperties": False}}
+# Finite answers (enums, booleans): a constrained answer ends by itself, long before max tokens.
+WEATHER = {"type": "object", "properties": {"city": {"type": "string", "enum": ["Paris", "Rome"]}, "sunny": {"type": "boolean"}},
+           "required": ["city", "sunny"], "additionalProperties": False}
+
+
+class Weather(BaseModel):
+    city: Literal["Paris", "Rome"]
+    sunny: bool
 
 
 @pytest.fixture(scope="module")
@@ -153,6 +163,42 @@ def test_unsupported_responses_fields_get_a_400_naming_them(client, field, kw):
     assert e.value.body["param"] == field, e.value.body
 
 
+# ---- structured output and forced tool calls, speculation on ------------------------------------
+
+@pytest.mark.parametrize("sampling", [{"temperature": 0}, {"temperature": 1.0, "top_p": 0.95, "extra_body": {"seed": 7}}])
+def test_responses_json_schema_answers_parse_and_validate(client, sampling):
+    jsonschema = pytest.importorskip("jsonschema")
+    kw = {"max_output_tokens": 60, "extra_body": {}, **sampling}
+    r = respond(client, "Weather in Paris?", text={"format": {"type": "json_schema", "name": "weather", "schema": WEATHER,
+                                                               "strict": True}}, **kw)
+    assert r.status == "completed" and r.text.format.type == "json_schema"
+    jsonschema.validate(json.loads(r.output_text), WEATHER)
+    assert r.model_extra["speculative"]["verify_steps"] > 0
+    parsed = client.responses.parse(model=MODEL, input="Weather in Paris?", text_format=Weather, **kw)
+    assert parsed.output_parsed.city in ("Paris", "Rome") and isinstance(parsed.output_parsed.sunny, bool)
+
+
+@pytest.mark.parametrize("tool_choice", ["required", {"type": "function", "name": "get_weather"}])
+def test_responses_forced_tool_calls_are_valid_function_call_items(client, tool_choice):
+    jsonschema = pytest.importorskip("jsonschema")
+    other = {**TOOL, "name": "get_time", "parameters": {"type": "object", "properties": {}, "additionalProperties": False}}
+    kw = dict(tools=[TOOL, other] if tool_choice == "required" else [other, TOOL], tool_choice=tool_choice,
+              max_output_tokens=60, extra_body={"logit_bias": STOP_NOW})  # ends once a call is complete
+    r = respond(client, "Weather in Paris?", **kw)
+    assert r.status == "completed" and r.output and all(o.type == "function_call" for o in r.output)
+    for call in r.output:
+        assert call.call_id and call.name in ("get_weather", "get_time")
+        jsonschema.validate(json.loads(call.arguments), TOOL["parameters"] if call.name == "get_weather" else other["parameters"])
+    if tool_choice != "required":
+        assert [o.name for o in r.output] == ["get_weather"]
+    assert r.model_extra["speculative"]["verify_steps"] > 0
+    events = list(respond(client, "Weather in Paris?", stream=True, **kw))
+    kinds = [e.type for e in events]
+    assert kinds[2:6] == ["response.output_item.added", "response.function_call_arguments.delta",
+                          "response.function_call_arguments.done", "response.output_item.done"]
+    assert [(o.name, o.arguments) for o in events[-1].response.output] == [(o.name, o.arguments) for o in r.output]
+
+
 # ---- smaller fixes -----------------------------------------------------------------------------
 
 def test_context_overflow_uses_the_words_clients_recognise(server, client):
@@ -238,6 +284,38 @@ def test_openai_agents_default_model_runs_with_a_function_tool(server):
     assert raw.usage.input_tokens > plain.raw_responses[0].usage.input_tokens + 50  # the tool was rendered
 
 
+def test_openai_agents_forced_tool_call_round_trip_and_structured_output(server):
+    pytest.importorskip("agents")
+    from agents import Agent, ModelSettings, Runner, function_tool, set_default_openai_client, set_tracing_disabled
+
+    calls = []
+
+    @function_tool
+    def get_weather(city: Literal["Paris", "Rome"]) -> str:
+        """Weather for a city."""
+        calls.append(city)
+        return "sunny"
+
+    set_tracing_disabled(True)
+    set_default_openai_client(openai.AsyncOpenAI(base_url=server.base + "/v1", api_key=KEY, max_retries=0),
+                              use_for_tracing=False)
+    # The first turn must call the tool; then the SDK resets tool_choice and the answer ends at once.
+    forced = Agent(name="weather", model=MODEL, tools=[get_weather],
+                   model_settings=ModelSettings(temperature=0, max_tokens=60, tool_choice="get_weather",
+                                                extra_body={"logit_bias": STOP_NOW}))
+    structured = Agent(name="structured", model=MODEL, output_type=Weather,
+                       model_settings=ModelSettings(temperature=0, max_tokens=60))
+
+    async def runs():
+        return await Runner.run(forced, "Weather in Paris?"), await Runner.run(structured, "Weather in Paris?")
+
+    tool_run, structured_run = asyncio.run(runs())
+    assert len(calls) == 1 and calls[0] in ("Paris", "Rome")
+    assert [r.output[0].type for r in tool_run.raw_responses] == ["function_call", "message"]
+    assert tool_run.final_output == ""
+    assert structured_run.final_output.city in ("Paris", "Rome")
+
+
 # ---- langchain-openai --------------------------------------------------------------------------
 
 def test_langchain_chat_openai_on_chat_completions_and_the_responses_api(server):
@@ -253,3 +331,18 @@ def test_langchain_chat_openai_on_chat_completions_and_the_responses_api(server)
     assert responses.usage_metadata["output_tokens"] == chat.usage_metadata["output_tokens"]
     chunks = list(ChatOpenAI(**kw, use_responses_api=True, streaming=True).stream("def fib(n):"))
     assert "".join(c.text for c in chunks) == chat.content
+
+
+@pytest.mark.parametrize("responses_api", [False, True])
+def test_langchain_with_structured_output_default_and_function_calling(server, responses_api):
+    pytest.importorskip("langchain_openai")
+    from langchain_openai import ChatOpenAI
+
+    llm = ChatOpenAI(base_url=server.base + "/v1", api_key=KEY, model=MODEL, temperature=0, max_tokens=60,
+                     max_retries=0, use_responses_api=responses_api)
+    # json_schema is the default; function_calling forces the tool (strict: no properties beyond
+    # the schema's, or the tiny model may write extra keys until max_tokens)
+    for method in ("json_schema", "function_calling"):
+        answer = (llm.with_structured_output(Weather) if method == "json_schema" else
+                  llm.with_structured_output(Weather, method=method, strict=True)).invoke("Weather in Paris?")
+        assert isinstance(answer, Weather) and answer.city in ("Paris", "Rome"), method

@@ -165,7 +165,7 @@ def _tools(req: ResponsesRequest, turn: Turn) -> None:
         function = {k: tool[k] for k in ("name", "description", "parameters", "strict") if tool.get(k) is not None}
         chat_tools.append({"type": "function", "function": function})
         turn.tools.append({"type": "function", "name": name, "description": tool.get("description"),
-                           "parameters": tool.get("parameters"), "strict": tool.get("strict", True)})
+                           "parameters": tool.get("parameters"), "strict": tool.get("strict")})
     if chat_tools:
         turn.chat["tools"] = chat_tools
     choice = req.tool_choice
