@@ -199,6 +199,17 @@ def test_responses_forced_tool_calls_are_valid_function_call_items(client, tool_
     assert [(o.name, o.arguments) for o in events[-1].response.output] == [(o.name, o.arguments) for o in r.output]
 
 
+def test_the_embedded_pairs_forced_tool_call_comes_back_as_chat_tool_calls(client):
+    """The pair's template renders tools Qwen-style, so the grammar's <tool_call> text is parsed."""
+    tool = {"type": "function", "function": {k: TOOL[k] for k in ("name", "description", "parameters")}}
+    r = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Weather in Paris?"}],
+                                       tools=[tool], tool_choice="required", parallel_tool_calls=False,
+                                       max_tokens=60, temperature=0)
+    [call] = r.choices[0].message.tool_calls
+    assert r.choices[0].finish_reason == "tool_calls" and not r.choices[0].message.content
+    assert call.function.name == "get_weather" and json.loads(call.function.arguments)["city"] in ("Paris", "Rome")
+
+
 # ---- smaller fixes -----------------------------------------------------------------------------
 
 def test_context_overflow_uses_the_words_clients_recognise(server, client):
