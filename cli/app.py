@@ -47,6 +47,7 @@ def generate(
     ignore_chat_template: bool = typer.Option(False, "--ignore-chat-template", help="Feed the prompt text as is."),
     system: Optional[str] = typer.Option(None, "--system", help="System prompt (with the chat template)."),
     as_json: bool = typer.Option(False, "--json", help="Print one JSON object with the text, tokens and statistics."),
+    json_schema: Optional[str] = typer.Option(None, "--json-schema", help="Force the answer into this JSON Schema (a file); constrained decoding stays speculative and lossless."),
 ) -> None:
     """Generate a completion, speculatively (default) or autoregressively (--no-draft).
 
@@ -56,9 +57,10 @@ def generate(
     from dflash2_mlx.engine import GenerationSettings, generate_autoregressive, generate_speculative
     from dflash2_mlx.text import encode_prompt
 
-    from .common import check_positive, choose_models, load_models, sampling_settings
+    from .common import check_positive, choose_models, load_models, read_json_schema, sampling_settings, schema_grammar
 
     check_positive("--max-tokens", max_tokens)
+    schema = read_json_schema(json_schema) if json_schema is not None else None
     sampling = sampling_settings(temp, top_p, top_k, min_p)
     choice = choose_models(model, draft_model, preset, need_draft=not no_draft)
     target, drafter = load_models(choice, None if no_draft else block_size, quiet=True)
@@ -67,6 +69,7 @@ def generate(
     settings = GenerationSettings(
         max_tokens=max_tokens, sampling=sampling, seed=seed, block_size=block_size,
         stop_token_ids=sorted(tokenizer.eos_token_ids), stop_strings=stop,
+        grammar=schema_grammar(schema, tokenizer, ids) if schema is not None else None,
     )
     if no_draft:
         events = generate_autoregressive(target.runner, ids, settings, tokenizer)

@@ -30,6 +30,8 @@ from .common import (
     model_option,
     preset_option,
     printable,
+    read_json_schema,
+    schema_grammar,
 )
 
 HELP_TEXT = """\
@@ -37,6 +39,7 @@ Commands
   /help            this help
   /clear           forget the conversation (the system prompt stays)
   /system [TEXT]   show the system prompt, or set it to TEXT (`/system -` removes it)
+  /schema [FILE]   show the JSON Schema answers must follow, or set it from FILE (`/schema -` removes it)
   /stats           token counts, speed and acceptance of every turn; prefix-cache use
   /think           show the reasoning of the last answer (it is collapsed to one line)
   /save FILE       save the conversation as JSON
@@ -208,13 +211,15 @@ class Turn:
 
 class ChatSession:
     def __init__(self, target, drafter, settings, console, system: Optional[str], thinking: Optional[bool],
-                 show_thinking: bool, cache_bytes: int, label: str):
+                 show_thinking: bool, cache_bytes: int, label: str, schema: Optional[dict] = None,
+                 schema_path: Optional[str] = None):
         from dflash2_mlx.prefix_cache import PrefixCache
 
         self.target, self.drafter, self.settings = target, drafter, settings
         self.tokenizer = target.tokenizer
         self.console = console
         self.system = system
+        self.schema, self.schema_path = schema, schema_path  # answers are forced into it (constrained decoding)
         self.template_kwargs = {} if thinking is None else {"enable_thinking": thinking}
         self.show_thinking = show_thinking
         self.cache = PrefixCache(max_bytes=cache_bytes)
@@ -256,7 +261,8 @@ class ChatSession:
             self.console.print(f"error: {e}", style="red", markup=False, highlight=False)
             return None
         cancel = threading.Event()
-        settings = _replace(self.settings, cancel=cancel)
+        grammar = schema_grammar(self.schema, self.tokenizer, ids) if self.schema is not None else None
+        settings = _replace(self.settings, cancel=cancel, grammar=grammar)
         if self.drafter is not None:
             events = generate_speculative(self.target.runner, self.drafter, ids, settings, self.tokenizer,
                                           prefix_cache=self.cache, save_at=save_at)
@@ -339,6 +345,8 @@ class ChatSession:
             else:
                 self.system = arg
                 c.print("system prompt set", style="dim")
+        elif name == "/schema":
+            self.set_schema(arg)
         elif name == "/stats":
             self.print_stats()
         elif name == "/think":
@@ -359,6 +367,25 @@ class ChatSession:
         else:
             c.print(f"unknown command {name}; /help lists the commands", style="red", markup=False, highlight=False)
         return True
+
+    def set_schema(self, arg: str) -> None:
+        from .common import UserError
+
+        c = self.console
+        if not arg:
+            c.print(f"answers follow the JSON Schema in {self.schema_path}" if self.schema is not None
+                    else "no JSON Schema: answers are free text", markup=False, highlight=False)
+        elif arg == "-":
+            self.schema = self.schema_path = None
+            c.print("JSON Schema removed: answers are free text", style="dim")
+        else:
+            try:
+                self.schema = read_json_schema(arg, "/schema")
+            except UserError as e:
+                c.print(f"error: {e}", style="red", markup=False, highlight=False)
+                return
+            self.schema_path = arg
+            c.print(f"answers now follow the JSON Schema in {arg}", style="dim", markup=False, highlight=False)
 
     def save(self, path: Path) -> None:
         data = {"format": "dflash2-mlx-chat", "version": 1, "model": self.label, "system": self.system,
@@ -510,6 +537,7 @@ def chat_command(
     thinking: Optional[bool] = typer.Option(None, "--thinking/--no-thinking", help="Turn the model's reasoning on or off (chat template enable_thinking). Default: the template's."),
     show_thinking: bool = typer.Option(False, "--show-thinking", help="Print reasoning in full (dimmed) instead of collapsing it to one line."),
     cache_gb: float = typer.Option(2.0, "--cache-gb", help="Memory budget of the prefix cache that lets later turns skip re-reading the conversation."),
+    json_schema: Optional[str] = typer.Option(None, "--json-schema", help="Force every answer into this JSON Schema (a file; change it with /schema)."),
 ) -> None:
     """Chat in the terminal with streaming answers, using the model's chat template.
 
@@ -521,14 +549,15 @@ def chat_command(
 
     Input: a line ending in a backslash continues on the next line; a line with only \"\"\"
     starts paste mode, ended by another \"\"\" line. Ctrl-C stops the current answer and the
-    chat goes on; Ctrl-D or /exit leaves. Commands: /help, /clear, /system [TEXT], /stats,
-    /think, /save FILE, /load FILE, /exit.
+    chat goes on; Ctrl-D or /exit leaves. Commands: /help, /clear, /system [TEXT],
+    /schema [FILE], /stats, /think, /save FILE, /load FILE, /exit.
     """
     from rich.console import Console
 
     from dflash2_mlx.engine import GenerationSettings
 
     check_positive("--max-tokens", max_tokens)
+    schema = read_json_schema(json_schema) if json_schema is not None else None
     if cache_gb < 0:
         fail(f"--cache-gb must be 0 or more, got {cache_gb}")
     if no_draft and draft_model is not None:
@@ -540,7 +569,7 @@ def chat_command(
                                   stop_token_ids=sorted(target.tokenizer.eos_token_ids))
     console = Console(highlight=False)
     session = ChatSession(target, drafter, settings, console, system, thinking, show_thinking,
-                          int(cache_gb * 2**30), choice.label)
+                          int(cache_gb * 2**30), choice.label, schema, json_schema)
     mode = (f"DFlash 2, block {block_size or drafter.config.block_size}" if drafter is not None and drafter.config.is_dflash2
             else f"DFlash, block {block_size or drafter.config.block_size}" if drafter is not None else "plain decoding")
     samp = "greedy" if sampling.greedy else f"T={sampling.temperature:g}"

@@ -251,3 +251,32 @@ def chat_sampling(model_dir: Path, temp, top_p, top_k, min_p):
         top_k if top_k is not None else int(d.get("top_k", 0)),
         min_p if min_p is not None else float(d.get("min_p", 0.0)),
     )
+
+
+def read_json_schema(path: str, option: str = "--json-schema") -> dict:
+    """A JSON Schema file the engine can enforce (one-line error otherwise, naming the keyword)."""
+    import json
+    from pathlib import Path
+
+    from dflash2_mlx.constrained import GrammarError, json_schema_rules
+
+    file = Path(path).expanduser()
+    try:
+        schema = json.loads(file.read_text())
+    except OSError as e:
+        fail(f"{option}: cannot read {file}: {e.strerror or e}")
+    except ValueError as e:
+        fail(f"{option}: {file} is not JSON: {e}")
+    try:
+        json_schema_rules(schema)
+    except GrammarError as e:
+        fail(f"{option}: {file}: {e}")
+    return schema
+
+
+def schema_grammar(schema: dict, tokenizer, prompt: Sequence[int]):
+    """The grammar forcing the answer to ``prompt`` into ``schema`` (after any reasoning block)."""
+    from dflash2_mlx.constrained import Grammar, reasoning_end_for
+
+    return Grammar.json_schema(schema, tokenizer, sorted(tokenizer.eos_token_ids),
+                               reasoning_end=reasoning_end_for(tokenizer, prompt))

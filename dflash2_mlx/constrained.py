@@ -1,4 +1,4 @@
-"""Constrained decoding: a grammar (JSON Schema, any JSON object, or a Lark grammar) masks the logits.
+"""Constrained decoding: a grammar (JSON Schema, any JSON object, or Lark rules) masks the logits.
 
 Built on llguidance (chosen over xgrammar by measurement, see docs/server.md "Structured output"):
 it needs no other package, names the JSON Schema keywords it cannot enforce, rolls back any number
@@ -14,6 +14,9 @@ loops call ``Grammar.start()`` for a fresh ``GrammarState`` and then use three c
   rolled back; rows after a draft the grammar refuses are left unmasked: they can never be used,
   because that draft is rejected);
 - ``commit(tokens)``: advance by the tokens really emitted (accepted drafts + bonus).
+
+A grammar can start after a reasoning block (``reasoning_end``: the tokens that close it, e.g.
+``</think>``): the reasoning is not constrained, then a little whitespace and the answer are.
 
 Masks are built on the host as bitmasks, then turned into a boolean array and applied with one
 ``where``; the decode loop asks for them while the device computes the verify pass.
@@ -32,6 +35,8 @@ import numpy as np
 # Whitespace is fixed (", " and ": ", no newlines): a model cannot pad forever, and the output is
 # the compact style json.dumps writes.
 JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+# Between a closed reasoning block and the answer (Qwen writes "</think>\n\n").
+LEAD = "LEAD: /[ \\t\\r\\n]{1,8}/\n"
 _UNIMPLEMENTED = re.compile(r'Unimplemented keys: \[(.*?)\]')
 
 
@@ -43,43 +48,30 @@ class GrammarError(ValueError):
         self.keyword = keyword
 
 
-def json_schema_grammar(schema: dict, strict: bool = False) -> str:
-    """The llguidance grammar for a JSON Schema (``strict``: objects take no unlisted properties
-    unless the schema says otherwise, as OpenAI's strict mode demands). Raises ``GrammarError``."""
-    import llguidance
-
+def json_schema_rules(schema: dict, strict: bool = False) -> str:
+    """Lark rules defining ``answer`` as a JSON value following ``schema`` (``strict``: objects take
+    no unlisted properties unless the schema says otherwise, as OpenAI's strict mode demands).
+    Raises ``GrammarError`` naming a keyword the engine cannot enforce."""
     if not isinstance(schema, dict):
         raise GrammarError(f"a JSON schema must be an object, got {type(schema).__name__}")
     if strict:
         schema = _closed_objects(schema)
-    try:
-        grammar = llguidance.LLMatcher.grammar_from_json_schema(schema, defaults=JSON_OPTIONS)
-    except (ValueError, TypeError) as e:
-        raise GrammarError(f"the schema is not valid JSON Schema: {e}") from None
-    check_grammar(grammar)
-    return grammar
+    rules = f"answer: %json {json.dumps({**schema, 'x-guidance': JSON_OPTIONS})}\n"
+    check_rules(rules)
+    return rules
 
 
-def json_object_grammar() -> str:
+def json_object_rules() -> str:
     """Any JSON object (OpenAI's ``json_object`` mode)."""
-    return json_schema_grammar({"type": "object"})
+    return json_schema_rules({"type": "object"})
 
 
-def lark_grammar(text: str) -> str:
-    """An llguidance grammar from Lark text (it may embed ``%json {schema}``). Raises ``GrammarError``."""
+def check_rules(rules: str) -> None:
+    """Raise ``GrammarError`` (naming an unsupported JSON Schema keyword) if llguidance refuses the
+    rules. Needs no tokenizer, so requests can be checked before they are queued."""
     import llguidance
 
-    grammar = llguidance.LLMatcher.grammar_from_lark(text)
-    check_grammar(grammar)
-    return grammar
-
-
-def check_grammar(grammar: str) -> None:
-    """Raise ``GrammarError`` (naming an unsupported JSON Schema keyword) if llguidance refuses it.
-    Needs no tokenizer, so requests can be checked before they are queued."""
-    import llguidance
-
-    error = llguidance.LLMatcher.validate_grammar(grammar)
+    error = llguidance.LLMatcher.validate_grammar(_full_text(rules, False))
     if not error:
         return
     m = _UNIMPLEMENTED.search(error)
@@ -87,7 +79,26 @@ def check_grammar(grammar: str) -> None:
         keys = [k.strip().strip('"') for k in m.group(1).split(",") if k.strip()]
         raise GrammarError(f"the schema uses {', '.join(repr(k) for k in keys)}, which constrained decoding "
                            "cannot enforce; remove it", keys[0] if keys else None)
-    raise GrammarError(f"the schema cannot be enforced: {error.strip().splitlines()[0][:300]}")
+    detail = next((line for line in error.splitlines() if "failed" in line or "rror" in line), error.splitlines()[0])
+    raise GrammarError(f"the schema cannot be enforced: {detail.strip()[:300]}")
+
+
+def reasoning_end_for(tokenizer, prompt: Sequence[int]) -> tuple[int, ...]:
+    """The tokens that close the reasoning block ``prompt`` leaves open (a thinking chat template's
+    generation prompt), or () when the answer starts outside one."""
+    if not getattr(tokenizer, "has_thinking", False) or not prompt:
+        return ()
+    prompt = list(prompt)
+    if tokenizer.rfind_think_start(prompt) > tokenizer.rfind_think_end(prompt):
+        return tuple(tokenizer.think_end_tokens or ())
+    return ()
+
+
+def _full_text(rules: str, after_reasoning: bool) -> str:
+    import llguidance
+
+    start = "start: LEAD? answer\n" + LEAD if after_reasoning else "start: answer\n"
+    return llguidance.LLMatcher.grammar_from_lark(start + rules)
 
 
 def _closed_objects(schema: Any) -> Any:
@@ -128,32 +139,33 @@ def grammar_tokenizer(tokenizer, stop_token_ids: Sequence[int] = ()):
 class Grammar:
     """One request's grammar, compiled for one tokenizer.
 
-    ``stop_token_ids`` end the text once the grammar is complete (the engine's stop tokens); a
-    grammar that reached its end allows nothing but them.
+    ``rules``: Lark rules defining ``answer`` (``json_schema_rules``, ``json_object_rules``, or
+    your own; they may embed ``%json {schema}``). ``stop_token_ids`` end the text once the answer
+    is complete (the engine's stop tokens): a complete answer allows nothing but them.
+    ``reasoning_end``: the text starts inside a reasoning block closed by these tokens.
     """
 
-    def __init__(self, grammar: str, tokenizer, stop_token_ids: Sequence[int] = ()):
+    def __init__(self, rules: str, tokenizer, stop_token_ids: Sequence[int] = (), reasoning_end: Sequence[int] = ()):
         import llguidance
 
-        self.grammar = grammar
+        self.rules = rules
+        self.reasoning_end = [int(t) for t in reasoning_end]
+        self.grammar = _full_text(rules, bool(self.reasoning_end))
         self.llg_tokenizer = grammar_tokenizer(tokenizer, stop_token_ids)
         self.stop_token_ids = list(self.llg_tokenizer.eos_tokens)
         self.words = (self.llg_tokenizer.vocab_size + 31) // 32
-        probe = llguidance.LLMatcher(self.llg_tokenizer, grammar, log_level=0)
+        probe = llguidance.LLMatcher(self.llg_tokenizer, self.grammar, log_level=0)
         if probe.is_error():
             raise GrammarError(f"the grammar cannot be enforced: {probe.get_error()[:300]}")
 
     @classmethod
-    def json_schema(cls, schema: dict, tokenizer, stop_token_ids: Sequence[int] = (), strict: bool = False) -> "Grammar":
-        return cls(json_schema_grammar(schema, strict), tokenizer, stop_token_ids)
+    def json_schema(cls, schema: dict, tokenizer, stop_token_ids: Sequence[int] = (), strict: bool = False,
+                    reasoning_end: Sequence[int] = ()) -> "Grammar":
+        return cls(json_schema_rules(schema, strict), tokenizer, stop_token_ids, reasoning_end)
 
     @classmethod
-    def json_object(cls, tokenizer, stop_token_ids: Sequence[int] = ()) -> "Grammar":
-        return cls(json_object_grammar(), tokenizer, stop_token_ids)
-
-    @classmethod
-    def lark(cls, text: str, tokenizer, stop_token_ids: Sequence[int] = ()) -> "Grammar":
-        return cls(lark_grammar(text), tokenizer, stop_token_ids)
+    def json_object(cls, tokenizer, stop_token_ids: Sequence[int] = (), reasoning_end: Sequence[int] = ()) -> "Grammar":
+        return cls(json_object_rules(), tokenizer, stop_token_ids, reasoning_end)
 
     def start(self) -> "GrammarState":
         """A matcher at the start of the generated text."""
@@ -170,6 +182,9 @@ class GrammarState:
         self.matcher = llguidance.LLMatcher(grammar.llg_tokenizer, grammar.grammar, log_level=0)
         self._bits = np.zeros((16, grammar.words), dtype=np.int32)  # [rows, words]: one bit per token
         self._stops = set(grammar.stop_token_ids)
+        self._end = grammar.reasoning_end
+        self._reasoning = bool(self._end)  # inside the reasoning block: nothing is masked yet
+        self._tail: list[int] = []  # the last tokens while reasoning (to see the block close)
 
     def _fill(self, row: int) -> None:
         from llguidance.numpy import fill_next_token_bitmask
@@ -188,8 +203,14 @@ class GrammarState:
         allowed = mx.array(allowed[:, :vocab].astype(np.bool_))
         return mx.where(allowed, logits, mx.array(-float("inf"), dtype=logits.dtype))
 
+    def _closes_reasoning(self, tail: list[int]) -> bool:
+        n = len(self._end)
+        return len(tail) >= n and tail[-n:] == self._end
+
     def mask_next(self, logits: mx.array) -> mx.array:
         """logits [1, V] -> the same with the tokens the grammar forbids next set to -inf."""
+        if self._reasoning:
+            return logits
         self._fill(0)
         return self._apply(logits, 1)
 
@@ -199,8 +220,18 @@ class GrammarState:
         rows = logits.shape[0]
         if rows > self._bits.shape[0]:
             self._bits = np.zeros((rows, self.grammar.words), dtype=np.int32)
+        first = 0  # the first row the grammar masks: rows before it are still reasoning
+        if self._reasoning:
+            tail = self._tail[:]
+            for first, d in enumerate(drafts, start=1):
+                tail.append(int(d))
+                if self._closes_reasoning(tail):
+                    break
+            else:
+                return logits
+            self._bits[:first] = -1
         consumed = 0
-        for i in range(rows):
+        for i in range(first, rows):
             self._fill(i)
             if i == rows - 1:
                 break
@@ -219,13 +250,17 @@ class GrammarState:
     def commit(self, tokens: Sequence[int]) -> None:
         """Advance by emitted tokens (each was allowed by the mask it was picked under)."""
         for t in tokens:
-            if int(t) in self._stops:
+            t = int(t)
+            if self._reasoning:
+                self._tail = (self._tail + [t])[-len(self._end):]
+                self._reasoning = not self._closes_reasoning(self._tail)
+                continue
+            if t in self._stops:
                 break  # the text ends here; nothing after a stop token is emitted
-            if not self.matcher.consume_token(int(t)):
+            if not self.matcher.consume_token(t):
                 raise RuntimeError(f"token {t} was emitted although the grammar refused it: {self.matcher.get_error()}")
 
     @property
     def done(self) -> bool:
-        """True once the text is complete and nothing but a stop token may follow."""
-        return self.matcher.is_stopped()
-
+        """True once the answer is complete and nothing but a stop token may follow."""
+        return not self._reasoning and self.matcher.is_stopped()

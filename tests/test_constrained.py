@@ -19,7 +19,7 @@ import pytest
 from mlx.utils import tree_flatten
 
 import tiny
-from dflash2_mlx.constrained import Grammar, GrammarError, json_schema_grammar
+from dflash2_mlx.constrained import Grammar, GrammarError, json_schema_rules
 from dflash2_mlx.engine import GenerationSettings, generate_autoregressive, generate_speculative
 from dflash2_mlx.sampling import SamplingSettings, probabilities
 from dflash2_mlx.target import TargetRunner
@@ -126,6 +126,33 @@ def test_json_object_mode_gives_an_object_and_stays_lossless(hybrid_target, byte
     assert _tokens(generate_speculative(runner, drafter, prompt, settings)) == plain
 
 
+def test_a_grammar_after_reasoning_leaves_the_reasoning_free_and_stays_lossless(hybrid_target, byte_tokenizer):
+    """With ``reasoning_end`` the text before the closing token is not constrained; after it the
+    answer is, and speculative greedy output still equals plain greedy output."""
+    jsonschema = pytest.importorskip("jsonschema")
+    cfg, model = hybrid_target
+    runner = TargetRunner(model)
+    prompt, close, think_tokens = [4, 5, 6], 291, 7
+
+    def close_reasoning(history, logits):  # the model "decides" to end its reasoning at token 8
+        at = history.shape[-1] == len(prompt) + think_tokens
+        return mx.where(mx.arange(logits.shape[-1]) == close, logits + 100.0 * at, logits)
+
+    grammar = Grammar.json_schema(SCHEMA, byte_tokenizer, [tiny.EOS_ID], reasoning_end=[close])
+    settings = GenerationSettings(max_tokens=MAX_TOKENS, block_size=5, grammar=grammar, stop_token_ids=[tiny.EOS_ID],
+                                  logits_processors=[close_reasoning])
+    plain = _tokens(generate_autoregressive(runner, prompt, settings))
+    assert plain[think_tokens] == close and plain[-1] == tiny.EOS_ID
+    unconstrained = _tokens(generate_autoregressive(runner, prompt, GenerationSettings(max_tokens=think_tokens)))
+    assert plain[:think_tokens] == unconstrained  # the reasoning was not masked
+    jsonschema.validate(json.loads(_text(byte_tokenizer, plain[think_tokens + 1:])), SCHEMA)
+    dcfg = tiny.drafter_config(cfg, version=2)
+    for corrupt in (set(), {5, 9, 14, 30}):
+        drafter = tiny.OracleDrafter(dcfg, prompt + plain, corrupt)
+        drafter.load_weights(tree_flatten(tiny.build_drafter(dcfg).parameters()))
+        assert _tokens(generate_speculative(runner, drafter, prompt, settings)) == plain
+
+
 def test_verify_masks_follow_the_drafts_and_leave_the_matcher_where_it_was(byte_tokenizer, schema_grammar):
     state = schema_grammar.start()
     good = byte_tokenizer.encode('{"name": "ab", "kind": 7', add_special_tokens=False)
@@ -158,7 +185,7 @@ def test_a_complete_answer_allows_only_the_stop_tokens(byte_tokenizer):
 ])
 def test_a_keyword_the_engine_cannot_enforce_is_named(keyword, schema):
     with pytest.raises(GrammarError) as err:
-        json_schema_grammar(schema)
+        json_schema_rules(schema)
     assert err.value.keyword == keyword and repr(keyword) in str(err.value)
 
 
@@ -212,7 +239,7 @@ def test_constrained_speculative_sampling_matches_the_constrained_joint_distribu
 
     eos, mask = tiny.write_letters_tokenizer(tmp_path)
     tokenizer = tiny.load_tokenizer(tmp_path)
-    grammar = Grammar.lark("start: " + " | ".join(json.dumps(s) for s in LANGUAGE), tokenizer, [eos])
+    grammar = Grammar("answer: " + " | ".join(json.dumps(s) for s in LANGUAGE), tokenizer, [eos])
     vocab = mask + 1
     cfg = tiny.hybrid_config(vocab=vocab, hidden=32)
     runner = TargetRunner(tiny.build_target(cfg, seed=3, scale=1.5))

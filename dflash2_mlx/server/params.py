@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import threading
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Optional, Sequence
 
 from .errors import bad_request
 from .schemas import MAX_STOP, MAX_TOP_LOGPROBS
@@ -123,8 +123,9 @@ def _logit_bias(bias, vocab_size: int) -> dict[int, float]:
     return out
 
 
-def to_settings(p: GenParams, tokenizer, cancel: threading.Event, prompt_len: int = 0):
-    """The engine settings for one request (worker thread only: makes MLX arrays)."""
+def to_settings(p: GenParams, tokenizer, cancel: threading.Event, prompt: Sequence[int] = ()):
+    """The engine settings for one request (worker thread only: makes MLX arrays). ``prompt``
+    tells whether the answer starts inside a reasoning block (the constraint then starts after it)."""
     from mlx_lm.sample_utils import make_logits_processors
 
     from dflash2_mlx.engine import GenerationSettings
@@ -146,5 +147,11 @@ def to_settings(p: GenParams, tokenizer, cancel: threading.Event, prompt_len: in
         logits_processors=processors,
         logprobs=max(p.top_logprobs, 1) if p.logprobs else 0,
         cancel=cancel,
-        grammar=p.constraint.grammar(tokenizer, stop_ids) if p.constraint is not None else None,
+        grammar=_grammar(p.constraint, tokenizer, stop_ids, prompt) if p.constraint is not None else None,
     )
+
+
+def _grammar(constraint: OutputConstraint, tokenizer, stop_ids: list[int], prompt: Sequence[int]):
+    from dflash2_mlx.constrained import reasoning_end_for
+
+    return constraint.grammar(tokenizer, stop_ids, reasoning_end_for(tokenizer, prompt))

@@ -58,16 +58,19 @@ class OutputConstraint:
     def forces_tool_calls(self) -> bool:
         return self.kind == "tool_calls"
 
-    def grammar(self, tokenizer, stop_token_ids: Sequence[int]):
+    def grammar(self, tokenizer, stop_token_ids: Sequence[int], reasoning_end: Sequence[int] = ()):
         """The engine grammar (``dflash2_mlx.constrained.Grammar``) for this constraint and the
-        model's tokenizer (worker thread: compiling it is the tokenizer's business)."""
-        from dflash2_mlx.constrained import Grammar
+        model's tokenizer (worker thread). ``reasoning_end``: the prompt opened a reasoning block
+        that these tokens close; the constraint starts after it."""
+        from dflash2_mlx.constrained import Grammar, json_object_rules, json_schema_rules
 
         if self.kind == "json_object":
-            return Grammar.json_object(tokenizer, stop_token_ids)
-        if self.kind == "json_schema":
-            return Grammar.json_schema(self.schema, tokenizer, stop_token_ids, strict=self.strict)
-        return Grammar.lark(tool_call_lark(self, tokenizer), tokenizer, stop_token_ids)
+            rules = json_object_rules()
+        elif self.kind == "json_schema":
+            rules = json_schema_rules(self.schema, self.strict)
+        else:
+            rules = tool_call_rules(self, tokenizer)
+        return Grammar(rules, tokenizer, stop_token_ids, reasoning_end)
 
 
 # ---- response_format / text.format ------------------------------------------------------------
@@ -102,12 +105,12 @@ def response_format_constraint(fmt: Optional[dict], param: str = "response_forma
 
 def check_schema(schema: Any, param: str, strict: bool = False) -> None:
     """400 naming the keyword when the engine cannot enforce ``schema``."""
-    from dflash2_mlx.constrained import GrammarError, json_schema_grammar
+    from dflash2_mlx.constrained import GrammarError, json_schema_rules
 
     if not isinstance(schema, dict):
         raise bad_request(f"{param} must be a JSON Schema object", param)
     try:
-        json_schema_grammar(schema, strict)
+        json_schema_rules(schema, strict)
     except GrammarError as e:
         raise bad_request(f"{param}: {e}", param, code="unsupported_schema" if e.keyword else "invalid_schema") from None
 
@@ -196,8 +199,8 @@ def _lark_literal(text: str, tokenizer) -> str:
     return json.dumps(text)
 
 
-def tool_call_lark(constraint: OutputConstraint, tokenizer) -> str:
-    """Lark text for ``<tool_call>\\n{"name": ..., "arguments": {...}}\\n</tool_call>`` (one, or one
+def tool_call_rules(constraint: OutputConstraint, tokenizer) -> str:
+    """Lark rules (``answer``) for ``<tool_call>\\n{"name": ..., "arguments": {...}}\\n</tool_call>`` (one, or one
     or more separated by newlines), the arguments following the chosen tool's parameters schema."""
     from dflash2_mlx.constrained import JSON_OPTIONS
 
@@ -207,6 +210,6 @@ def tool_call_lark(constraint: OutputConstraint, tokenizer) -> str:
     schema = calls[0] if len(calls) == 1 else {"anyOf": calls}
     schema = {**schema, "x-guidance": JSON_OPTIONS}
     many = ' ("\\n" call)*' if constraint.parallel else ""
-    return (f"start: call{many}\n"
+    return (f"answer: call{many}\n"
             f"call: {_lark_literal(start, tokenizer)} \"\\n\" body \"\\n\" {_lark_literal(end, tokenizer)}\n"
             f"body: %json {json.dumps(schema)}\n")

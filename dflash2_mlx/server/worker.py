@@ -217,6 +217,12 @@ class Worker:
         self.max_context = min(limits) if limits else None
         self.vocab_size = runner.vocab_size or len(self.tokenizer)
         self.defaults = _generation_defaults(self.target.path)
+        # Constrained decoding needs llguidance's view of the tokenizer (seconds at a 248K
+        # vocabulary): build it in the background so the first structured request rarely waits.
+        from dflash2_mlx.constrained import grammar_tokenizer
+
+        threading.Thread(target=grammar_tokenizer, args=(self.tokenizer, sorted(self.tokenizer.eos_token_ids)),
+                         name="grammar-tokenizer", daemon=True).start()
         if self.prefix_cache_bytes > 0:
             self.prefix_cache = PrefixCache(max_bytes=self.prefix_cache_bytes)
         freeze_loaded_objects()  # the loaded models live as long as the server
@@ -238,7 +244,7 @@ class Worker:
         t0 = time.perf_counter()
         ttft = None
         try:
-            settings = to_settings(job.params, self.tokenizer, job.cancel, len(job.prompt))
+            settings = to_settings(job.params, self.tokenizer, job.cancel, job.prompt)
             runner, tok = self.target.runner, self.tokenizer
             if self.drafter is not None:
                 events = generate_speculative(runner, self.drafter, job.prompt, settings, tok,
