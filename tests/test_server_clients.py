@@ -318,12 +318,19 @@ def test_openai_agents_forced_tool_call_round_trip_and_structured_output(server)
                        model_settings=ModelSettings(temperature=0, max_tokens=60))
 
     async def runs():
-        return await Runner.run(forced, "Weather in Paris?"), await Runner.run(structured, "Weather in Paris?")
+        return (await Runner.run(forced, "Weather in Paris?"), await Runner.run(structured, "Weather in Paris?"),
+                await Runner.run(forced, "Weather in Paris?", auto_previous_response_id=True))
 
-    tool_run, structured_run = asyncio.run(runs())
-    assert len(calls) == 1 and calls[0] in ("Paris", "Rome")
-    assert [r.output[0].type for r in tool_run.raw_responses] == ["function_call", "message"]
-    assert tool_run.final_output == ""
+    tool_run, structured_run, chained = asyncio.run(runs())
+    assert len(calls) == 2 and calls[0] in ("Paris", "Rome") and calls[1] == calls[0]
+    for run in (tool_run, chained):
+        assert [r.output[0].type for r in run.raw_responses] == ["function_call", "message"]
+        assert run.final_output == ""
+    # chained: the second turn sent only the tool's output and the first response's id, and the
+    # server put the stored call in front of it: the same prompt as the unchained run's
+    stored = openai.OpenAI(base_url=server.base + "/v1", api_key=KEY).responses.retrieve(chained.raw_responses[1].response_id)
+    assert stored.previous_response_id == chained.raw_responses[0].response_id
+    assert chained.raw_responses[1].usage.input_tokens == tool_run.raw_responses[1].usage.input_tokens
     assert structured_run.final_output.city in ("Paris", "Rome")
 
 
