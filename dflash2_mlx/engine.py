@@ -383,6 +383,9 @@ def generate_speculative(
     new_features = None  # target features of positions committed since the drafter last saw them
     mask_id = cfg.mask_token_id
     hybrid = "gdn" in runner.kinds
+    # Greedy DFlash 2 drafts the grammar refuses are skipped in the selector walk (measured: +18%
+    # acceptance under a JSON schema); the walk needs the committed tokens, so no drafting ahead.
+    masked_drafts = grammar is not None and cfg.is_dflash2 and greedy
     prof = settings.profiler
 
     def draft_block(anchor: mx.array, bs: int):
@@ -400,7 +403,10 @@ def generate_speculative(
         if prof:
             prof.mark("draft", draft_logits)
         candidates = q = None
-        if cfg.is_dflash2 and greedy:
+        if masked_drafts:  # the grammar walks the selector's candidates, skipping refused ones
+            walked, pairs = drafter.candidate_selector.pair_scores(hidden, draft_logits, block[:, 0])
+            draft = mx.array(grammar.greedy_path(walked[0], pairs[0]))
+        elif cfg.is_dflash2 and greedy:
             draft = drafter.select_greedy(hidden, draft_logits, block[:, 0])[0]
         elif cfg.is_dflash2:
             uniforms = mx.random.uniform(shape=(1, bs - 1))
@@ -458,7 +464,7 @@ def generate_speculative(
         # Draft the next block now if its size is known whatever is accepted: Python builds and
         # launches its graph while the verify pass computes, and it runs right after it. The
         # context cache takes this pass's rows tentatively, keeping accepted + 1 of them.
-        if not prof and settings.max_tokens - (len(out.tokens) + bs) + 1 >= block_size:
+        if not prof and not masked_drafts and settings.max_tokens - (len(out.tokens) + bs) + 1 >= block_size:
             mx.async_eval(accepted_arr, bonus_arr, verify_features)
             drafter.absorb(verify_features, context, valid=accepted_arr + 1)
             ahead = draft_block(bonus_arr, block_size)

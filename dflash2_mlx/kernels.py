@@ -108,6 +108,12 @@ def _pair_scores(anchor, candidates, unary, hidden, pred_cb, succ_cb):
     return unary.astype(mx.float32)[:, :, None, :] + left @ succ.swapaxes(-1, -2)
 
 
+def pair_scores(anchor, candidates, unary, hidden, predecessor_codebook, successor_codebook) -> mx.array:
+    """The selector's scores of every row's candidates after every possible predecessor
+    [N, R, k, k] (float32), as the walks use them: for host-side walks (constrained drafting)."""
+    return _pair_scores(anchor, candidates, unary, hidden, predecessor_codebook, successor_codebook)
+
+
 def _walk(pairs, choose):
     """Follow the rows from predecessor slot 0 (the anchor): ``choose(i, scores [N, 1, 1, k])``
     returns the chosen index [N, 1, 1, 1]; row i's scores are those after the candidate chosen

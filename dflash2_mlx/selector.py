@@ -46,6 +46,15 @@ class CandidateSelector(nn.Module):
             self.predecessor_codebook, self.successor_codebook,
         )
 
+    def pair_scores(self, hidden: mx.array, logits: mx.array, anchor: mx.array) -> tuple[mx.array, mx.array]:
+        """hidden [N, R, H], logits [N, R, V], anchor [N] -> (candidates [N, R, k], pair scores
+        [N, R, k, k]) for a walk done elsewhere (the grammar's, which skips refused candidates)."""
+        candidates, unary = top_k_candidates(logits, self.top_k)
+        return candidates, kernels.pair_scores(
+            anchor, candidates, unary, self.hidden_projection(hidden),
+            self.predecessor_codebook, self.successor_codebook,
+        )
+
     def sampled(
         self,
         hidden: mx.array,

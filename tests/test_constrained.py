@@ -169,6 +169,21 @@ def test_verify_masks_follow_the_drafts_and_leave_the_matcher_where_it_was(byte_
     assert first[0, good[0]].item() == 0 and (first > -1).sum().item() == 1
 
 
+def test_the_grammar_walk_skips_refused_candidates_for_the_best_allowed_one(byte_tokenizer, schema_grammar):
+    """greedy_path: the selector's walk over pair scores, but a candidate the grammar refuses is
+    passed over for the best-scoring allowed one, row after row along the chosen path."""
+    state = schema_grammar.start()
+    brace, quote, x, n = (byte_tokenizer.encode(c, add_special_tokens=False)[0] for c in '{"xn')
+    candidates = np.array([[x, brace, quote], [brace, quote, x], [x, n, quote]])
+    pairs = np.zeros((3, 3, 3), dtype=np.float32)
+    pairs[0, 0] = [3.0, 2.0, 1.0]  # "x" scores best but cannot start the answer: "{" is chosen
+    pairs[1, 1] = [3.0, 2.0, 1.0]  # after "{" (slot 1): "{" is refused, '"' is the best allowed
+    pairs[2, 1] = [3.0, 2.0, 1.0]  # after '"' (slot 1): "x" starts no key of SCHEMA, "n" (name) does
+    assert state.greedy_path(candidates, pairs) == [brace, quote, n]
+    # the matcher is back at the start afterwards
+    assert (state.mask_next(mx.zeros((1, tiny.VOCAB))) > -1).sum().item() == 1
+
+
 def test_a_complete_answer_allows_only_the_stop_tokens(byte_tokenizer):
     grammar = Grammar.json_schema({"const": "x"}, byte_tokenizer, [tiny.EOS_ID, 297])
     state = grammar.start()
