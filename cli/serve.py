@@ -20,7 +20,7 @@ def serve_command(
     draft_model: Optional[str] = typer.Option(None, "--draft-model", "-d", help="DFlash / DFlash 2 drafter for the target: directory or repo id."),
     host: str = typer.Option("127.0.0.1", "--host", help="Address to listen on (loopback by default; 0.0.0.0 exposes the server to the network)."),
     port: int = typer.Option(8080, "--port", help="TCP port (0: any free port)."),
-    api_key: Optional[str] = typer.Option(None, "--api-key", envvar="DFLASH2_API_KEY", help="Require this key: 'Authorization: Bearer KEY' (OpenAI routes) or 'x-api-key: KEY' (/v1/messages)."),
+    api_key: Optional[str] = typer.Option(None, "--api-key", envvar="DFLASH2_API_KEY", help="Require this key: 'Authorization: Bearer KEY' (OpenAI routes) or 'x-api-key: KEY' (/v1/messages; /v1/models takes either)."),
     allowed_origins: List[str] = typer.Option([], "--allowed-origins", help="Enable CORS for these browser origins (repeatable or comma-separated; '*' for any). Off by default."),
     max_queue: int = typer.Option(64, "--max-queue", help="Requests that may wait for the generation worker; more get 429 with Retry-After."),
     max_concurrent: int = typer.Option(4, "--max-concurrent", help="Requests that decode at once, taking turns cycle by cycle; more wait in the queue."),
@@ -36,8 +36,8 @@ def serve_command(
     default_max_tokens: int = typer.Option(4096, "--default-max-tokens", help="max_tokens for requests that give none."),
     log_level: str = typer.Option("info", "--log-level", help="critical, error, warning, info or debug."),
 ) -> None:
-    """Serve the model over HTTP: OpenAI (/v1/chat/completions, /v1/completions, /v1/models) and
-    Anthropic (/v1/messages) APIs, plus /health and /metrics."""
+    """Serve the model over HTTP: OpenAI (/v1/chat/completions, /v1/completions, /v1/responses,
+    /v1/models) and Anthropic (/v1/messages) APIs, plus /health and /metrics."""
     from .common import choose_models, fail, parse_block_size, prompt_cache_location, warn_if_reference_blas
 
     for name, value, low in (("--max-queue", max_queue, 1), ("--max-concurrent", max_concurrent, 1),

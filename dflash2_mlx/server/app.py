@@ -23,9 +23,11 @@ from starlette.responses import JSONResponse, PlainTextResponse
 from .anthropic_api import MessagesFormatter
 from .anthropic_api import prepare as prepare_messages
 from .chat import OutputParser, render_chat
-from .errors import APIError, bad_request, describe_validation_error, error_body
+from .errors import APIError, bad_request, context_overflow, describe_validation_error, error_body
 from .metrics import Metrics
 from .openai_api import ChatFormatter, CompletionFormatter, prepare_chat, prepare_completion
+from .responses_api import ResponsesFormatter, ResponsesRequest, renamed, translate
+from .responses_store import DEFAULT_MAX_BYTES, DEFAULT_MAX_ENTRIES, ResponseStore
 from .schemas import ChatCompletionRequest, CompletionRequest, MessagesRequest, ModelCard, ModelList
 from .stream import Accumulator, JobResponse
 from .worker import Job, Worker
@@ -34,7 +36,7 @@ log = logging.getLogger("dflash2_mlx.server")
 
 MAX_BODY_BYTES = 4 * 2**20
 KNOWN_ROUTES = {"/v1/chat/completions", "/v1/completions", "/v1/messages", "/v1/messages/count_tokens",
-                "/v1/models", "/health", "/metrics"}
+                "/v1/models", "/v1/responses", "/v1/embeddings", "/health", "/metrics"}
 
 
 @dataclass
@@ -55,6 +57,8 @@ class ServerConfig:
     default_max_tokens: int = 4096
     max_body_bytes: int = MAX_BODY_BYTES
     model_name: Optional[str] = None  # shown in /v1/models; default: repo id or directory name
+    responses_max_entries: int = DEFAULT_MAX_ENTRIES  # stored /v1/responses (previous_response_id), LRU
+    responses_max_bytes: int = DEFAULT_MAX_BYTES
 
 
 def model_name_for(model: str) -> str:
@@ -76,9 +80,11 @@ class _Middleware:
         rid = f"req_{uuid.uuid4().hex[:16]}"
         scope.setdefault("state", {})["request_id"] = rid
         path = scope.get("path", "")
-        route = path if path in KNOWN_ROUTES or path.startswith("/v1/models/") else "other"
+        route = path if path in KNOWN_ROUTES or path.startswith(("/v1/models/", "/v1/responses/")) else "other"
         if route.startswith("/v1/models/"):
             route = "/v1/models/{id}"
+        elif route.startswith("/v1/responses/"):
+            route = "/v1/responses/{id}"
         status = {"code": 0}
 
         async def send_wrapper(message):
@@ -171,6 +177,7 @@ def create_app(config: ServerConfig, worker: Optional[Worker] = None, metrics: O
     names = [name] + [n for n in config.served_model_names if n and n != name]
     accepted = set(names) | {config.model}
     created = int(time.time())
+    responses = ResponseStore(config.responses_max_entries, config.responses_max_bytes)
 
     @contextlib.asynccontextmanager
     async def lifespan(app):
@@ -187,6 +194,7 @@ def create_app(config: ServerConfig, worker: Optional[Worker] = None, metrics: O
 
     app = FastAPI(title="dflash2-mlx", docs_url=None, redoc_url=None, openapi_url=None, lifespan=lifespan)
     app.state.worker, app.state.metrics, app.state.config = worker, metrics, config
+    app.state.responses = responses
 
     # ---- error shapes --------------------------------------------------------------------------
 
@@ -202,7 +210,7 @@ def create_app(config: ServerConfig, worker: Optional[Worker] = None, metrics: O
     async def _http_error(request: Request, exc: StarletteHTTPException):
         if exc.status_code == 404:
             err = APIError(404, f"no route {request.method} {request.url.path}; the API is under /v1 "
-                                "(chat/completions, completions, messages, models)", code="not_found")
+                                "(chat/completions, completions, responses, messages, models)", code="not_found")
         elif exc.status_code == 405:
             err = APIError(405, f"method {request.method} is not allowed on {request.url.path}", code="method_not_allowed")
         else:
@@ -211,17 +219,21 @@ def create_app(config: ServerConfig, worker: Optional[Worker] = None, metrics: O
 
     # ---- helpers -------------------------------------------------------------------------------
 
-    def authorize(request: Request, anthropic: bool = False) -> None:
+    def authorize(request: Request, anthropic: bool = False, either: bool = False) -> None:
+        """The key from ``x-api-key`` (Anthropic routes, and ``either`` routes shared by both kinds of
+        client) or from ``Authorization: Bearer``."""
         if not config.api_key:
             return
         given = None
         auth = request.headers.get("authorization", "")
-        if anthropic:
+        if anthropic or either:
             given = request.headers.get("x-api-key")
         if given is None and auth[:7].lower() == "bearer ":
             given = auth[7:].strip()
         if given is None or not hmac.compare_digest(given.encode(), config.api_key.encode()):
-            where = "the x-api-key header" if anthropic else "an 'Authorization: Bearer KEY' header"
+            where = ("the x-api-key header" if anthropic else
+                     "an 'Authorization: Bearer KEY' or 'x-api-key: KEY' header" if either else
+                     "an 'Authorization: Bearer KEY' header")
             raise APIError(401, f"{'wrong' if given else 'missing'} API key: send the server's --api-key in {where}",
                            code="invalid_api_key")
 
@@ -241,8 +253,7 @@ def create_app(config: ServerConfig, worker: Optional[Worker] = None, metrics: O
 
     def context_check(ids: list[int], param: str) -> None:
         if worker.max_context and len(ids) >= worker.max_context:
-            raise APIError(400, f"the prompt has {len(ids)} tokens but the context is {worker.max_context} tokens; "
-                                "shorten the prompt", code="context_length_exceeded", param=param)
+            raise context_overflow(len(ids), worker.max_context, param)
 
     def make_job(request: Request, ids, params, save_at) -> Job:
         return Job(id=request.scope["state"]["request_id"], prompt=ids, params=params, save_at=save_at,
@@ -268,16 +279,27 @@ def create_app(config: ServerConfig, worker: Optional[Worker] = None, metrics: O
 
     @app.get("/v1/models")
     async def list_models(request: Request):
-        authorize(request)
+        authorize(request, either=True)
         return ModelList(data=[ModelCard(id=n, created=created) for n in names]).model_dump()
 
     @app.get("/v1/models/{model_id:path}")
     async def get_model(model_id: str, request: Request):
-        authorize(request)
+        authorize(request, either=True)
         if model_id not in accepted:
             raise APIError(404, f"model '{model_id[:200]}' is not served here; available: {names}",
                            code="model_not_found", param="model")
         return ModelCard(id=model_id, created=created).model_dump()
+
+    async def chat_job(request: Request, req: ChatCompletionRequest, param: str = "messages") -> tuple[Job, Accumulator]:
+        """A chat request's job and the accumulator that parses its output (shared by the chat
+        and the Responses routes)."""
+        messages, tools, kwargs, params = prepare_chat(req, worker, config.default_max_tokens)
+        prompt = await asyncio.to_thread(render_chat, worker.tokenizer, messages, tools, kwargs,
+                                         worker.prefix_cache is not None)
+        context_check(prompt.ids, param)
+        parser = OutputParser(worker.tokenizer, prompt.initial_state, tools, forced_tool_calls=params.forces_tool_calls)
+        acc = Accumulator(worker.tokenizer, len(prompt.ids), parser, tuple(params.stop), params.top_logprobs)
+        return make_job(request, prompt.ids, params, prompt.save_at), acc
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request):
@@ -285,15 +307,46 @@ def create_app(config: ServerConfig, worker: Optional[Worker] = None, metrics: O
         req = validate(ChatCompletionRequest, await read_json(request))
         check_model(req.model)
         require_ready()
-        messages, tools, kwargs, params = prepare_chat(req, worker, config.default_max_tokens)
-        prompt = await asyncio.to_thread(render_chat, worker.tokenizer, messages, tools, kwargs,
-                                         worker.prefix_cache is not None)
-        context_check(prompt.ids, "messages")
-        parser = OutputParser(worker.tokenizer, prompt.initial_state, tools, forced_tool_calls=params.forces_tool_calls)
-        acc = Accumulator(worker.tokenizer, len(prompt.ids), parser, tuple(params.stop), params.top_logprobs)
+        job, acc = await chat_job(request, req)
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
-        fmt = ChatFormatter(acc, req.model, include_usage, params.logprobs)
-        return respond(request, make_job(request, prompt.ids, params, prompt.save_at), fmt, req.stream)
+        fmt = ChatFormatter(acc, req.model, include_usage, job.params.logprobs)
+        return respond(request, job, fmt, req.stream)
+
+    @app.post("/v1/responses")
+    async def create_response(request: Request):
+        authorize(request)
+        req = validate(ResponsesRequest, await read_json(request))
+        check_model(req.model)
+        turn = translate(req, responses)
+        require_ready()
+        try:
+            job, acc = await chat_job(request, validate(ChatCompletionRequest, turn.chat), "input")
+        except APIError as e:
+            raise renamed(e) from None
+        fmt = ResponsesFormatter(acc, req, turn, job.params.max_tokens, responses if req.store is not False else None)
+        return respond(request, job, fmt, req.stream)
+
+    @app.get("/v1/responses/{response_id}")
+    async def get_response(response_id: str, request: Request):
+        authorize(request)
+        stored = responses.get(response_id)
+        if stored is None:
+            raise APIError(404, f"no stored response '{response_id[:100]}' (kept in memory, bounded, until the "
+                                "server restarts)", code="not_found", param="response_id")
+        return stored
+
+    @app.delete("/v1/responses/{response_id}")
+    async def delete_response(response_id: str, request: Request):
+        authorize(request)
+        if not responses.delete(response_id):
+            raise APIError(404, f"no stored response '{response_id[:100]}'", code="not_found", param="response_id")
+        return {"id": response_id, "object": "response", "deleted": True}
+
+    @app.post("/v1/embeddings")
+    async def embeddings(request: Request):
+        raise APIError(404, "this server does not serve embeddings: it runs one generative model (chat, completions, "
+                            "responses, messages); use an embedding model server for /v1/embeddings",
+                       code="embeddings_not_supported")
 
     @app.post("/v1/completions")
     async def completions(request: Request):

@@ -41,6 +41,7 @@ class APIError(Exception):
         self.status, self.message, self.param, self.code = status, message, param, code
         self.type = type or default_type(status)
         self.headers = headers or {}
+        self.anthropic_message: Optional[str] = None  # when Anthropic clients expect other words
 
 
 def default_type(status: int) -> str:
@@ -57,12 +58,24 @@ def bad_request(message: str, param: Optional[str] = None, code: Optional[str] =
     return APIError(400, message, param=param, code=code)
 
 
+def context_overflow(prompt_tokens: int, max_context: int, param: str = "messages") -> APIError:
+    """A prompt that does not fit the context, in the words clients match on (litellm's and Claude
+    Code's fallbacks): OpenAI's sentence with code ``context_length_exceeded``, Anthropic's
+    "prompt is too long". The answer needs one position, so the longest prompt is one less."""
+    err = APIError(400, f"This model's maximum context length is {max_context} tokens. However, your messages "
+                        f"resulted in {prompt_tokens} tokens. Shorten the prompt to at most {max_context - 1} "
+                        "tokens (the answer needs room).", code="context_length_exceeded", param=param)
+    err.anthropic_message = f"prompt is too long: {prompt_tokens} tokens > {max_context - 1} maximum"
+    return err
+
+
 def openai_body(err: APIError) -> dict:
     return {"error": {"message": err.message, "type": err.type, "param": err.param, "code": err.code}}
 
 
 def anthropic_body(err: APIError) -> dict:
-    return {"type": "error", "error": {"type": _ANTHROPIC_TYPES.get(err.status, "api_error"), "message": err.message}}
+    return {"type": "error", "error": {"type": _ANTHROPIC_TYPES.get(err.status, "api_error"),
+                                       "message": err.anthropic_message or err.message}}
 
 
 def is_anthropic_path(path: str) -> bool:

@@ -34,6 +34,7 @@ log = logging.getLogger("dflash2_mlx.server")
 
 def prepare_chat(req: ChatCompletionRequest, worker, default_max_tokens: int):
     """(prompt, params, tools) for a chat request; every problem a 400 naming the field."""
+    refuse_legacy_functions(req)
     max_tokens = check_max_tokens(req.max_completion_tokens, None, "max_completion_tokens") \
         if req.max_completion_tokens is not None else check_max_tokens(req.max_tokens, default_max_tokens)
     constraint = structured_output(
@@ -51,6 +52,21 @@ def prepare_chat(req: ChatCompletionRequest, worker, default_max_tokens: int):
     tools = openai_tools(req.tools, req.tool_choice)
     kwargs = template_kwargs(req.chat_template_kwargs)
     return messages, tools, kwargs, params
+
+
+def refuse_legacy_functions(req: ChatCompletionRequest) -> None:
+    """The deprecated ``functions`` / ``function_call`` fields get a 400 saying what replaces them
+    (answering them as ``tool_calls`` would leave a legacy client reading an empty function_call)."""
+    hint = "send tools=[{\"type\": \"function\", \"function\": {...}}] and tool_choice instead"
+    for name in ("functions", "function_call"):
+        if getattr(req, name) is not None:
+            raise bad_request(f"'{name}' is the deprecated form of tools / tool_choice and is not supported: {hint}",
+                              name)
+    for i, m in enumerate(req.messages):
+        if m.function_call is not None:
+            raise bad_request(f"messages[{i}].function_call is the deprecated form of tool_calls and is not supported: "
+                              "send tool_calls=[{\"id\": ..., \"type\": \"function\", \"function\": {...}}]",
+                              f"messages[{i}].function_call")
 
 
 def prepare_completion(req: CompletionRequest, worker, default_max_tokens: int):

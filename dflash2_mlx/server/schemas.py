@@ -49,6 +49,7 @@ class ChatMessage(_Strict):
     tool_call_id: Optional[str] = None
     reasoning_content: Optional[str] = None
     reasoning: Optional[str] = None
+    function_call: Optional[Any] = None  # legacy: refused with a 400 that says to send tool_calls
 
 
 class FunctionDef(_Strict):
@@ -112,6 +113,8 @@ class ChatCompletionRequest(_Sampling):
     tool_choice: Union[Literal["none", "auto", "required"], NamedToolChoice, None] = None
     parallel_tool_calls: Optional[bool] = None
     chat_template_kwargs: Optional[Dict[str, Any]] = None
+    functions: Optional[Any] = None  # legacy spellings of tools / tool_choice: refused with a 400
+    function_call: Optional[Any] = None
 
 
 class CompletionRequest(_Sampling):

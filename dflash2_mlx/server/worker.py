@@ -23,8 +23,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Iterator, Optional
 
-from .errors import APIError
 from .batch_switch import BatchSwitch
+from .errors import APIError, context_overflow
 from .metrics import Metrics
 from .scheduler import RoundRobin
 
@@ -347,7 +347,7 @@ class Worker:
         if isinstance(e, Cancelled):
             job.emit("cancelled")
         elif isinstance(e, PromptTooLong):
-            job.emit("error", APIError(400, str(e), code="context_length_exceeded", param="messages"))
+            job.emit("error", context_overflow(len(job.prompt), self.target.runner.max_context))
         elif isinstance(e, ValueError):
             job.emit("error", APIError(400, str(e), code="invalid_value"))
         else:

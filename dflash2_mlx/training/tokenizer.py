@@ -25,14 +25,48 @@ IM_END = "<|im_end|>"
 MASK = "<|mask|>"
 SPECIAL_TOKENS = (EOS, IM_START, IM_END, MASK)
 
-# ChatML. ``content`` may be a string or a list of OpenAI-style parts ({"type": "text", ...}).
+# ChatML, with tools rendered the way Qwen3.5 / Qwen3.8 templates do: the function signatures in
+# the system turn inside <tools></tools>, each assistant tool call as
+# <tool_call>\n{"name": ..., "arguments": {...}}\n</tool_call> text, and tool results as
+# <tool_response> blocks in one user turn (consecutive results share it). Without tools the
+# rendering is plain ChatML, exactly what ``chat_ids`` builds for training. ``content`` may be a
+# string or a list of OpenAI-style parts ({"type": "text", ...}). mlx-lm infers its ``json_tools``
+# parser from the "<tool_call>" and "tool_call.name" in this text, so the server parses the calls.
 CHAT_TEMPLATE = (
+    "{%- macro render_content(content) %}"
+    "{%- if content is string %}{{- content }}"
+    "{%- elif content %}{%- for part in content %}{%- if part['type'] == 'text' %}{{- part['text'] }}{%- endif %}{%- endfor %}"
+    "{%- endif %}"
+    "{%- endmacro %}"
+    "{%- if tools %}"
+    "{{- '<|im_start|>system\\n' }}"
+    "{%- if messages[0]['role'] == 'system' %}{{- render_content(messages[0]['content']) + '\\n\\n' }}{%- endif %}"
+    "{{- '# Tools\\n\\nYou may call one or more functions to assist with the user query.\\n\\n'"
+    " + 'You are provided with function signatures within <tools></tools> XML tags:\\n<tools>' }}"
+    "{%- for tool in tools %}{{- '\\n' + (tool | tojson) }}{%- endfor %}"
+    "{{- '\\n</tools>\\n\\nFor each function call, return a json object with function name and arguments '"
+    " + 'within <tool_call></tool_call> XML tags:\\n<tool_call>\\n'"
+    " + '{\"name\": <function-name>, \"arguments\": <args-json-object>}\\n</tool_call><|im_end|>\\n' }}"
+    "{%- endif %}"
     "{%- for message in messages %}"
-    "{{- '<|im_start|>' + message['role'] + '\\n' }}"
-    "{%- if message['content'] is string %}{{- message['content'] }}"
-    "{%- else %}{%- for part in message['content'] %}{%- if part['type'] == 'text' %}{{- part['text'] }}{%- endif %}{%- endfor %}"
+    "{%- if tools and loop.first and message['role'] == 'system' %}"
+    "{%- elif message['role'] == 'tool' %}"
+    "{%- if loop.first or messages[loop.index0 - 1]['role'] != 'tool' %}{{- '<|im_start|>user' }}{%- endif %}"
+    "{{- '\\n<tool_response>\\n' + render_content(message['content']) + '\\n</tool_response>' }}"
+    "{%- if loop.last or messages[loop.index0 + 1]['role'] != 'tool' %}{{- '<|im_end|>\\n' }}{%- endif %}"
+    "{%- else %}"
+    "{{- '<|im_start|>' + message['role'] + '\\n' + render_content(message['content']) }}"
+    "{%- if message['role'] == 'assistant' and message.tool_calls %}"
+    "{%- for tool_call in message.tool_calls %}"
+    "{%- if tool_call.function is defined %}{%- set tool_call = tool_call.function %}{%- endif %}"
+    "{%- if not loop.first or render_content(message['content']) %}{{- '\\n' }}{%- endif %}"
+    "{{- '<tool_call>\\n{\"name\": \"' + tool_call.name + '\", \"arguments\": ' }}"
+    "{%- if tool_call.arguments is string %}{{- tool_call.arguments }}{%- else %}{{- tool_call.arguments | tojson }}{%- endif %}"
+    "{{- '}\\n</tool_call>' }}"
+    "{%- endfor %}"
     "{%- endif %}"
     "{{- '<|im_end|>\\n' }}"
+    "{%- endif %}"
     "{%- endfor %}"
     "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
 )
