@@ -268,6 +268,20 @@ def test_soft_targets_mix_the_targets_distribution_into_each_rows_cross_entropy(
     assert abs(float(mixed["ce"]) - (0.75 * float(hard["ce"]) + 0.25 * soft)) < 1e-4
 
 
+def test_block_target_logits_are_the_targets_prediction_of_each_rows_label(target, sequences):
+    """On greedy continuations the target's argmax at row i's position is row i's label."""
+    from dflash2_mlx.training.drafter_trainer import _Features, block_target_logits
+
+    runner = target.runner
+    feats, final = _Features(runner, sequences, [0], 1 << 30, final=True)(np.arange(len(sequences)))
+    plain, none = _Features(runner, sequences, [0], 1 << 30)(np.arange(len(sequences)))
+    assert none is None and np.array_equal(np.array(feats), np.array(plain))
+    anchors = np.stack([sample_anchors(np.random.default_rng(i), sequences.shape[1], B, 3, PREFIX) for i in range(len(sequences))])
+    _, labels, _ = block_arrays(sequences, anchors, B, 0)
+    logits = block_target_logits(runner.lm_head, final, mx.array(anchors), B)
+    assert np.array_equal(np.array(mx.argmax(logits, axis=-1)), labels.reshape(-1, B - 1))
+
+
 def test_soft_target_training_runs_and_lowers_the_loss(target, sequences, tmp_path):
     config = small_config(steps=6, soft_target_weight=0.5, compile=True)
     out = train_drafter(target, sequences, tmp_path / "soft", config, continuation_start=PREFIX, progress=False)

@@ -102,6 +102,7 @@ __all__ = [
     "block_arrays",
     "forward_blocks",
     "drafter_loss",
+    "block_target_logits",
     "summarize",
     "evaluate_drafter",
     "greedy_walk_correct",
@@ -460,6 +461,17 @@ def forward_blocks(drafter: Drafter, embed, features: mx.array, blocks: mx.array
         embeds = embed(blocks[j]) * scale if scale != 1.0 else embed(blocks[j])
         out.append(drafter.train_forward(embeds, mx.stop_gradient(features[j : j + 1]), anchors[j]))
     return mx.concatenate(out, axis=0)
+
+
+def block_target_logits(lm_head, final: mx.array, anchors: mx.array, block_size: int) -> mx.array:
+    """The target's logits [n*N, B-1, V] for the scored rows of blocks at ``anchors`` [n, N].
+
+    ``final`` [n, S, H]: the target's final-normed last hidden states of the n sequences. Row i
+    (1..B-1) predicts position a + i, which the target predicts from position a + i - 1.
+    """
+    positions = anchors[..., None] + mx.arange(block_size - 1)  # [n, N, B-1]
+    rows = final[mx.arange(final.shape[0])[:, None, None], positions]  # [n, N, B-1, H]
+    return lm_head(rows.reshape(-1, block_size - 1, rows.shape[-1]))
 
 
 def selector_scores(selector, hidden: mx.array, candidates: mx.array, unary: mx.array, predecessors: mx.array) -> mx.array:
@@ -873,16 +885,11 @@ def train_drafter(
     soft = config.soft_target_weight > 0
     features = _Features(runner, sequences, drafter_config.target_layer_ids, config.feature_cache_bytes, final=soft)
     lm_head = runner.lm_head
-    row_offsets = mx.arange(drafter_config.block_size - 1)
 
     def loss_fn(feats, final, blocks, anchors, labels, preds):
         hidden = forward_blocks(drafter, runner.embed, feats, blocks, anchors)
         M = hidden.shape[0]
-        target_logits = None
-        if final is not None:  # row i predicts position a + i: the target's logits at a + i - 1
-            positions = anchors[..., None] + row_offsets  # [n, N, B-1]
-            rows = final[mx.arange(final.shape[0])[:, None, None], positions]  # [n, N, B-1, H]
-            target_logits = lm_head(rows.reshape(M, -1, rows.shape[-1]))
+        target_logits = None if final is None else block_target_logits(lm_head, final, anchors, drafter_config.block_size)
         return drafter_loss(drafter, lm_head, hidden, labels.reshape(M, -1), preds.reshape(M, -1), weights, config,
                             target_logits)
 
