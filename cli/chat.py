@@ -27,6 +27,7 @@ from .common import (
     encode_messages,
     fail,
     fmt_seconds,
+    generation_defaults,
     load_models,
     message_boundaries,
     parse_block_size,
@@ -38,6 +39,8 @@ from .common import (
     read_json_schema,
     schema_grammar,
 )
+
+DEFAULT_MAX_TOKENS = 2048  # when neither --max-tokens nor the model's generation_config.json sets one
 
 HELP_TEXT = """\
 Commands
@@ -535,7 +538,7 @@ def chat_command(
     draft_model: Optional[str] = draft_option(),
     preset: Optional[str] = preset_option(),
     system: Optional[str] = typer.Option(None, "--system", "-s", help="System prompt (change it later with /system)."),
-    max_tokens: int = typer.Option(2048, "--max-tokens", help="Maximum tokens per answer (reasoning included)."),
+    max_tokens: Optional[int] = typer.Option(None, "--max-tokens", help="Maximum tokens per answer (reasoning included). Default: generation_config.json's max_new_tokens, else 2048."),
     temp: Optional[float] = typer.Option(None, "--temp", help="Sampling temperature; 0 is greedy. Default: the model's generation_config.json, else 0."),
     top_p: Optional[float] = typer.Option(None, "--top-p", help="Nucleus sampling mass (0, 1]. Default: generation_config.json, else 1."),
     top_k: Optional[int] = typer.Option(None, "--top-k", help="Sample among the k most likely tokens; 0 disables. Default: generation_config.json, else 0."),
@@ -567,7 +570,8 @@ def chat_command(
 
     from dflash2_mlx.engine import GenerationSettings
 
-    check_positive("--max-tokens", max_tokens)
+    if max_tokens is not None:
+        check_positive("--max-tokens", max_tokens)
     schema = read_json_schema(json_schema) if json_schema is not None else None
     if cache_gb < 0:
         fail(f"--cache-gb must be 0 or more, got {cache_gb}")
@@ -580,6 +584,8 @@ def chat_command(
     block_size = parse_block_size(block_size)
     target, drafter = load_models(choice, block_size)
     sampling = chat_sampling(target.path, temp, top_p, top_k, min_p)
+    if max_tokens is None:
+        max_tokens = int(generation_defaults(target.path).get("max_new_tokens", DEFAULT_MAX_TOKENS))
     settings = GenerationSettings(max_tokens=max_tokens, sampling=sampling, seed=seed, block_size=block_size,
                                   stop_token_ids=sorted(target.tokenizer.eos_token_ids))
     console = Console(highlight=False)

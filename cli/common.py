@@ -261,7 +261,8 @@ def fmt_seconds(s: float) -> str:
 
 
 def generation_defaults(model_dir: Path) -> dict:
-    """Sampling defaults from the model's generation_config.json (temperature, top_p, top_k, min_p)."""
+    """Defaults from the model's generation_config.json: sampling (temperature, top_p, top_k,
+    min_p) and the answer length (max_new_tokens)."""
     import json
 
     try:
@@ -269,8 +270,10 @@ def generation_defaults(model_dir: Path) -> dict:
     except (OSError, ValueError):
         return {}
     out = {}
+    if isinstance(cfg.get("max_new_tokens"), int) and not isinstance(cfg["max_new_tokens"], bool) and cfg["max_new_tokens"] > 0:
+        out["max_new_tokens"] = cfg["max_new_tokens"]
     if cfg.get("do_sample") is False:
-        return {"temperature": 0.0}
+        return {**out, "temperature": 0.0}
     for key in ("temperature", "top_p", "top_k", "min_p"):
         if isinstance(cfg.get(key), (int, float)) and not isinstance(cfg.get(key), bool):
             out[key] = cfg[key]

@@ -33,7 +33,7 @@ def serve_command(
     prompt_cache_dir: Optional[str] = prompt_cache_option(),
     prompt_cache_gb: float = typer.Option(8.0, "--prompt-cache-gb", help="Disk budget of the prompt cache directory, in GB; least recently used snapshots go first."),
     request_timeout: float = typer.Option(600.0, "--request-timeout", help="Seconds a request may take, queue wait included; a generation still running is cut short (finish_reason 'length')."),
-    default_max_tokens: int = typer.Option(4096, "--default-max-tokens", help="max_tokens for requests that give none."),
+    default_max_tokens: Optional[int] = typer.Option(None, "--default-max-tokens", help="max_tokens for requests that give none. Default: the model's generation_config.json max_new_tokens, else 4096."),
     log_level: str = typer.Option("info", "--log-level", help="critical, error, warning, info or debug."),
 ) -> None:
     """Serve the model over HTTP: OpenAI (/v1/chat/completions, /v1/completions, /v1/responses,

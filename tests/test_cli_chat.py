@@ -56,7 +56,9 @@ def template_lengths(target: Path, messages: list[dict]) -> list[int]:
 
 def test_two_turns_prefill_only_new_tokens_and_save_load(embedded_pair, tmp_path):
     target, _ = embedded_pair
-    child = spawn("--max-tokens", "16")  # no --model: the embedded pair
+    # no --model: the embedded pair; greedy, so no 16-token answer closes its turn and the cached
+    # prefix of the next turn is exactly the previous prompt (a closed turn is cached with it)
+    child = spawn("--max-tokens", "16", "--temp", "0")
     try:
         first = turn(child, "hello")
         assert first["cached"] == 0 and first["prefilled"] == first["prompt"]
@@ -104,7 +106,7 @@ def test_two_turns_prefill_only_new_tokens_and_save_load(embedded_pair, tmp_path
 
 
 def test_ctrl_c_stops_the_answer_and_the_chat_goes_on(embedded_pair):
-    child = spawn("--max-tokens", "100000")  # the embedded pair
+    child = spawn("--max-tokens", "100000", "--temp", "0")  # the embedded pair, greedy: it loops, never ends
     try:
         child.sendline("write forever")
         child.expect_exact("write forever")  # the terminal's echo

@@ -87,3 +87,28 @@ def test_zlab_reference_loads_the_pair_and_matches_tokens_and_acceptance(pair, e
                 our_cycles.append(len(event.tokens))
         assert ours == z_tokens
         assert our_cycles == z_cycles  # hence equal acceptance length
+
+
+def test_chat_and_the_server_sample_the_demo_pair_with_a_modest_answer_length():
+    """Greedily the tiny target loops; its generation_config.json makes chat and the server sample."""
+    from dflash2_mlx.cli.common import chat_sampling, generation_defaults
+    from dflash2_mlx.server.worker import _generation_defaults
+
+    target_dir = assets.demo_target_path()
+    sampling = chat_sampling(target_dir, None, None, None, None)
+    assert 0 < sampling.temperature <= 1 and sampling.top_p < 1
+    assert 0 < generation_defaults(target_dir)["max_new_tokens"] <= 512
+    server = _generation_defaults(target_dir)
+    assert server["temperature"] == sampling.temperature and server["top_p"] == sampling.top_p
+    assert server["max_new_tokens"] == generation_defaults(target_dir)["max_new_tokens"]
+
+
+def test_the_recorded_defaults_evaluation_is_of_the_shipped_defaults():
+    m = assets.manifest()
+    d = m["evaluation"]["defaults"]
+    cfg = json.loads((assets.demo_target_path() / "generation_config.json").read_text())
+    assert (d["temperature"], d["top_p"], d["max_tokens"]) == (cfg["temperature"], cfg["top_p"], cfg["max_new_tokens"])
+    assert d["chat"]["prompts"] == 5 and d["code"]["prompts"] == len(assets.demo_prompts())
+    for name in ("chat", "code"):
+        assert d[name]["repetition_rate_4gram"] <= 0.40  # sampled at the defaults it does not loop
+    assert d["chat"]["ended_share"] > 0  # some answers close their turn within max_new_tokens

@@ -656,3 +656,22 @@ def test_cors_is_off_by_default_and_on_for_allowed_origins(tiny_checkpoints):
         assert ("access-control-allow-origin" in r.headers) is allowed
         r = c.options("/v1/chat/completions", headers={**preflight, "Origin": "http://evil.example"})
         assert "access-control-allow-origin" not in r.headers
+
+
+def test_default_max_tokens_is_the_models_generation_config_unless_the_server_sets_one(tiny_checkpoints, tmp_path):
+    import shutil
+
+    model = shutil.copytree(tiny_checkpoints[0], tmp_path / "target")
+    config_file = model / "generation_config.json"
+    config = json.loads(config_file.read_text()) if config_file.exists() else {}
+    config_file.write_text(json.dumps({**config, "max_new_tokens": 5}))
+    for server_default, expected in ((None, 5), (3, 3)):
+        c = _app(model, None, prefix_cache_gb=0, default_max_tokens=server_default)
+        try:
+            no_end = {str(t): -100 for t in c.app.state.worker.tokenizer.eos_token_ids}  # never stops early
+            r = c.post("/v1/completions", json={"model": "target", "prompt": "abc", "temperature": 0, "logit_bias": no_end})
+            assert r.status_code == 200, r.text
+            assert r.json()["usage"]["completion_tokens"] == expected
+            assert r.json()["choices"][0]["finish_reason"] == "length"
+        finally:
+            c.__exit__(None, None, None)

@@ -246,6 +246,57 @@ def test_cross_entropy_is_weighted_per_row_and_averaged_over_blocks(target):
     assert float(m2["ce"]) == float(metrics["ce"])
 
 
+def test_soft_targets_mix_the_targets_distribution_into_each_rows_cross_entropy(target):
+    w = mx.array(loss_weights(B, 4.0))
+    hard_config = small_config()
+    drafter, hidden, labels, preds = _loss_inputs(target, hard_config)
+    rng = np.random.default_rng(2)
+    vocab = target.runner.vocab_size
+    target_logits = mx.array(rng.standard_normal((hidden.shape[0], B - 1, vocab)).astype(np.float32) * 3)
+    _, hard = drafter_loss(drafter, target.runner.lm_head, hidden, labels, preds, w, hard_config, target_logits)
+    _, mixed = drafter_loss(drafter, target.runner.lm_head, hidden, labels, preds, w,
+                            small_config(soft_target_weight=0.25), target_logits)
+    logits = np.array(drafter.logits(hidden[:, 1:], target.runner.lm_head), dtype=np.float64)
+    logq = logits - logits.max(-1, keepdims=True)
+    logq -= np.log(np.exp(logq).sum(-1, keepdims=True))
+    t = np.array(target_logits, dtype=np.float64)
+    p = np.exp(t - t.max(-1, keepdims=True))
+    p /= p.sum(-1, keepdims=True)
+    soft = (-(p * logq).sum(-1) * np.array(w)).sum(-1).mean()
+    assert "soft" not in hard  # weight 0: labels only, whatever logits are passed
+    assert abs(float(mixed["soft"]) - soft) < 1e-4
+    assert abs(float(mixed["ce"]) - (0.75 * float(hard["ce"]) + 0.25 * soft)) < 1e-4
+
+
+def test_block_target_logits_are_the_targets_prediction_of_each_rows_label(target, sequences):
+    """On greedy continuations the target's argmax at row i's position is row i's label."""
+    from dflash2_mlx.training.drafter_trainer import _Features, block_target_logits
+
+    runner = target.runner
+    feats, final = _Features(runner, sequences, [0], 1 << 30, final=True)(np.arange(len(sequences)))
+    plain, none = _Features(runner, sequences, [0], 1 << 30)(np.arange(len(sequences)))
+    assert none is None and np.array_equal(np.array(feats), np.array(plain))
+    anchors = np.stack([sample_anchors(np.random.default_rng(i), sequences.shape[1], B, 3, PREFIX) for i in range(len(sequences))])
+    _, labels, _ = block_arrays(sequences, anchors, B, 0)
+    logits = block_target_logits(runner.lm_head, final, mx.array(anchors), B)
+    assert np.array_equal(np.array(mx.argmax(logits, axis=-1)), labels.reshape(-1, B - 1))
+
+
+def test_soft_target_training_runs_and_lowers_the_loss(target, sequences, tmp_path):
+    config = small_config(steps=6, soft_target_weight=0.5, compile=True)
+    out = train_drafter(target, sequences, tmp_path / "soft", config, continuation_start=PREFIX, progress=False)
+    history = load_checkpoint_state(out)["history"]
+    assert "soft" in history[0] and history[-1]["soft"] < history[0]["soft"]
+
+
+def test_sampled_continuations_are_deterministic_and_differ_from_greedy(target, documents, sequences):
+    a = generate_training_sequences(target, documents, 10, PREFIX, CONT, seed=0, batch_size=4, temperature=1.0)
+    b = generate_training_sequences(target, documents, 10, PREFIX, CONT, seed=0, batch_size=4, temperature=1.0)
+    assert np.array_equal(a, b)
+    assert np.array_equal(a[:, :PREFIX], sequences[:, :PREFIX])  # the same corpus windows
+    assert not np.array_equal(a[:, PREFIX:], sequences[:, PREFIX:])
+
+
 def test_selector_loss_counts_only_rows_whose_label_is_a_candidate(target):
     config = small_config()
     drafter, hidden, labels, preds = _loss_inputs(target, config)

@@ -86,6 +86,39 @@ def test_prompts_come_from_held_out_files_and_end_mid_line():
         assert p["reference"].startswith(" ")
 
 
+def test_deduplicate_keeps_the_first_of_verbatim_copies_in_path_order():
+    def f(rel, text):
+        return corpus.SourceFile(rel, text, "", False)
+
+    files = [f("a.py", "x = 1\n"), f("b.py", "y = 2\n"), f("c/a.py", "x = 1\n")]
+    assert [x.relative for x in corpus.deduplicate(files)] == ["a.py", "b.py"]
+
+
+@pytest.mark.parametrize("docstring, request_text", [
+    ("Return the maximum of a list.", "Write a function that returns the maximum of a list.\n"),
+    ("Copy data from src to dst.\n\nMore detail.", "Write a function that copies data from src to dst.\n"),
+    ("Apply   the\n  rule to x. Then more.", "Write a function that applies the rule to x.\n"),
+    ("Returns the size in bytes.", "Write a function that returns the size in bytes.\n"),
+    ("This is an internal helper.", None),
+    ("Close.", None),
+    ("lowercase start here", None),
+])
+def test_requests_are_made_from_a_docstrings_first_sentence(docstring, request_text):
+    assert corpus.request_from_summary(docstring) == request_text
+
+
+def test_chat_examples_with_requests_add_a_plain_english_turn_for_documented_functions():
+    text = (
+        "def big(xs):\n    \"\"\"Return the maximum of a list.\"\"\"\n    best = xs[0]\n"
+        "    for x in xs:\n        best = max(best, x)\n    return best\n"
+    )
+    source = corpus.SourceFile("m.py", text, "", False)
+    plain = corpus.function_examples(source, percent=100)
+    both = corpus.function_examples(source, percent=100, requests=True)
+    assert len(plain) == 1 and plain[0][0].startswith("def big(xs):")
+    assert both == plain + [("Write a function that returns the maximum of a list.\n", plain[0][1])]
+
+
 # ---------------------------------------------------------------------------------------------
 # Tokenizer
 

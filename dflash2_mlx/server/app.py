@@ -39,6 +39,9 @@ KNOWN_ROUTES = {"/v1/chat/completions", "/v1/completions", "/v1/messages", "/v1/
                 "/v1/models", "/v1/responses", "/v1/embeddings", "/health", "/metrics"}
 
 
+FALLBACK_MAX_TOKENS = 4096  # a request's max_tokens when neither it, the server nor the model sets one
+
+
 @dataclass
 class ServerConfig:
     model: str
@@ -54,7 +57,7 @@ class ServerConfig:
     prompt_cache_dir: Optional[str] = None  # prefix snapshots on disk (the CLI's default: disk_cache.default_dir())
     prompt_cache_gb: float = 8.0
     request_timeout: float = 600.0
-    default_max_tokens: int = 4096
+    default_max_tokens: Optional[int] = None  # None: generation_config.json's max_new_tokens, else 4096
     max_body_bytes: int = MAX_BODY_BYTES
     model_name: Optional[str] = None  # shown in /v1/models; default: repo id or directory name
     responses_max_entries: int = DEFAULT_MAX_ENTRIES  # stored /v1/responses (previous_response_id), LRU
@@ -251,6 +254,12 @@ def create_app(config: ServerConfig, worker: Optional[Worker] = None, metrics: O
             raise APIError(503, "the server is shutting down" if worker.state == "stopping" else
                            f"the model failed to load: {worker.error}", code="unavailable")
 
+    def default_max_tokens() -> int:
+        """max_tokens of a request that gives none: --default-max-tokens, else the model's own."""
+        if config.default_max_tokens is not None:
+            return config.default_max_tokens
+        return int(worker.defaults.get("max_new_tokens", FALLBACK_MAX_TOKENS))
+
     def context_check(ids: list[int], param: str) -> None:
         if worker.max_context and len(ids) >= worker.max_context:
             raise context_overflow(len(ids), worker.max_context, param)
@@ -293,7 +302,7 @@ def create_app(config: ServerConfig, worker: Optional[Worker] = None, metrics: O
     async def chat_job(request: Request, req: ChatCompletionRequest, param: str = "messages") -> tuple[Job, Accumulator]:
         """A chat request's job and the accumulator that parses its output (shared by the chat
         and the Responses routes)."""
-        messages, tools, kwargs, params = prepare_chat(req, worker, config.default_max_tokens)
+        messages, tools, kwargs, params = prepare_chat(req, worker, default_max_tokens())
         prompt = await asyncio.to_thread(render_chat, worker.tokenizer, messages, tools, kwargs,
                                          worker.prefix_cache is not None)
         context_check(prompt.ids, param)
@@ -354,7 +363,7 @@ def create_app(config: ServerConfig, worker: Optional[Worker] = None, metrics: O
         req = validate(CompletionRequest, await read_json(request))
         check_model(req.model)
         require_ready()
-        ids, params = await asyncio.to_thread(prepare_completion, req, worker, config.default_max_tokens)
+        ids, params = await asyncio.to_thread(prepare_completion, req, worker, default_max_tokens())
         context_check(ids, "prompt")
         acc = Accumulator(worker.tokenizer, len(ids), None, tuple(params.stop), params.top_logprobs)
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
@@ -366,7 +375,7 @@ def create_app(config: ServerConfig, worker: Optional[Worker] = None, metrics: O
         req = validate(MessagesRequest, await read_json(request))
         check_model(req.model)
         require_ready()
-        messages, tools, kwargs, params = prepare_messages(req, worker, config.default_max_tokens)
+        messages, tools, kwargs, params = prepare_messages(req, worker, default_max_tokens())
         prompt = await asyncio.to_thread(render_chat, worker.tokenizer, messages, tools, kwargs,
                                          worker.prefix_cache is not None)
         return req, tools, params, prompt

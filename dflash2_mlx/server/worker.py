@@ -386,16 +386,23 @@ class Worker:
 
 
 def _generation_defaults(path: Path) -> dict:
-    """Sampling defaults from the model's generation_config.json (temperature, top_p, top_k, min_p)."""
+    """Defaults from the model's generation_config.json: sampling (temperature, top_p, top_k,
+    min_p) and the answer length (max_new_tokens: the server's max_tokens when a request and
+    --default-max-tokens give none)."""
     import json
 
     try:
         cfg = json.loads((Path(path) / "generation_config.json").read_text())
     except (OSError, ValueError):
         return {}
-    if not isinstance(cfg, dict) or cfg.get("do_sample") is False:
+    if not isinstance(cfg, dict):
         return {}
     out = {}
+    limit = cfg.get("max_new_tokens")
+    if isinstance(limit, int) and not isinstance(limit, bool) and limit > 0:
+        out["max_new_tokens"] = limit
+    if cfg.get("do_sample") is False:
+        return out
     for key in ("temperature", "top_p", "top_k", "min_p"):
         value = cfg.get(key)
         if isinstance(value, (int, float)) and not isinstance(value, bool):

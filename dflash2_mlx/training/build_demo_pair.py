@@ -66,8 +66,19 @@ class BuildPlan:
     target_lr: float = 3e-3
     target_warmup: int = 25
     heldout_eval_sequences: Optional[int] = None  # None: every held-out sequence
+    # data: drop verbatim copies of files (and of chat examples); chat examples
+    # (corpus.function_examples): share of functions, longest function in lines, plain-English
+    # requests made from docstrings beside the signature form
+    deduplicate: bool = False
+    chat_percent: int = 20
+    chat_max_lines: int = 40
+    chat_requests: bool = False
     # drafter data and training
     drafter_sequences: int = 2048
+    # more sequences continued by sampling at drafter_sample_temperature (a drafter for sampled
+    # decoding sees sampled contexts); soft targets: drafter_options soft_target_weight
+    drafter_sampled_sequences: int = 0
+    drafter_sample_temperature: float = 0.7
     prefix_len: int = 96
     continuation_len: int = 128
     drafter_steps: int = 1500
@@ -82,10 +93,21 @@ class BuildPlan:
 
 
 FULL = BuildPlan(name="full")
+# The recipe for the next build (trainer improvements measured in docs/embedded-pair.md; not yet
+# the committed pair): deduplicated data, twice the chat examples with plain-English requests,
+# a drafter distilled on the target's whole distribution over greedy and sampled continuations.
+NEXT = BuildPlan(
+    name="next", deduplicate=True, chat_percent=40, chat_max_lines=30, chat_requests=True,
+    drafter_sequences=1536, drafter_sampled_sequences=1536, drafter_options={"soft_target_weight": 0.5},
+)
 QUICK = BuildPlan(
     name="quick", target_steps=12, target_warmup=3, heldout_eval_sequences=16,
     drafter_sequences=32, prefix_len=32, continuation_len=32, drafter_steps=10,
     num_prompts=4, eval_max_tokens=32,
+)
+QUICK_NEXT = dataclasses.replace(
+    QUICK, name="quick-next", deduplicate=True, chat_percent=40, chat_max_lines=30, chat_requests=True,
+    drafter_sampled_sequences=32, drafter_options={"soft_target_weight": 0.5},
 )
 
 
@@ -171,8 +193,10 @@ def prompt_lookup_acceptance(prompt: list[int], output: list[int], block_size: i
 
 def build_corpus(plan: BuildPlan, log: Log):
     files = corpus_mod.load_corpus()
-    train, held = corpus_mod.split(files)
-    log(f"corpus: {len(files)} files ({len(train)} train, {len(held)} held out), "
+    unique = corpus_mod.deduplicate(files) if plan.deduplicate else files
+    train, held = corpus_mod.split(unique)
+    log(f"corpus: {len(files)} files, {len(files) - len(unique)} verbatim copies dropped "
+        f"({len(train)} train, {len(held)} held out), "
         f"{sum(f.size for f in train) / 1e6:.2f} MB train, Python {sys.version.split()[0]}")
     return files, train, held
 
@@ -184,10 +208,15 @@ def build_tokenizer(plan: BuildPlan, train, out_dir: Path, log: Log):
     return tok
 
 
-def build_documents(tok, train, held, log: Log):
+def build_documents(plan: BuildPlan, tok, train, held, log: Log):
     """Training documents (one per file, then the chat examples) and held-out documents."""
     file_docs = tok_mod.encode_plain(tok, [f.text for f in train])
-    chat = [pair for f in train for pair in corpus_mod.function_examples(f)]
+    chat, seen = [], set()
+    for f in train:
+        for user, answer in corpus_mod.function_examples(f, plan.chat_percent, plan.chat_max_lines, plan.chat_requests):
+            if not plan.deduplicate or (user, answer) not in seen:  # the same function in two files is one example
+                seen.add((user, answer))
+                chat.append((user, answer))
     chat_docs = tok_mod.chat_ids_batch(tok, chat)
     held_docs = tok_mod.encode_plain(tok, [f.text for f in held])
     n_file, n_chat = sum(map(len, file_docs)), sum(map(len, chat_docs))
@@ -222,7 +251,7 @@ def build_target(plan: BuildPlan, tok, docs, held_docs, tok_dir: Path, out_dir: 
     held_loss = tt.evaluate_loss(model, held_seqs, batch_size=16)
     log(f"target: trained {plan.target_steps} steps in {seconds:.0f}s; held-out loss {held_loss:.4f} "
         f"(perplexity {np.exp(held_loss):.2f}) over {held_seqs.shape[0] * plan.seq_len} tokens")
-    (tok_dir / "generation_config.json").write_text(json.dumps({"eos_token_id": [eos, im_end]}, indent=2) + "\n")
+    (tok_dir / "generation_config.json").write_text(json.dumps(generation_config([eos, im_end]), indent=2) + "\n")
     tt.save_target(model, config, tok_dir, out_dir)
     return {
         "config": config,
@@ -254,8 +283,15 @@ def build_drafter(plan: BuildPlan, target, docs, work: Path, log: Log) -> dict:
     seqs = generate_training_sequences(
         target, docs, plan.drafter_sequences, plan.prefix_len, plan.continuation_len, plan.seed + 1,
     )
+    if plan.drafter_sampled_sequences:
+        sampled = generate_training_sequences(
+            target, docs, plan.drafter_sampled_sequences, plan.prefix_len, plan.continuation_len, plan.seed + 2,
+            temperature=plan.drafter_sample_temperature,
+        )
+        seqs = np.concatenate([seqs, sampled])
     gen_seconds = time.perf_counter() - t0
-    log(f"drafter data: {seqs.shape[0]} sequences of {plan.prefix_len} corpus + {plan.continuation_len} "
+    log(f"drafter data: {seqs.shape[0]} sequences ({plan.drafter_sampled_sequences} sampled at "
+        f"t={plan.drafter_sample_temperature}) of {plan.prefix_len} corpus + {plan.continuation_len} "
         f"generated tokens in {gen_seconds:.0f}s")
     cfg = DrafterTrainingConfig(
         block_size=plan.drafter_block_size, layers=plan.drafter_layers, steps=plan.drafter_steps,
@@ -278,7 +314,8 @@ def build_drafter(plan: BuildPlan, target, docs, work: Path, log: Log) -> dict:
             state = {}
     return {
         "training": {k: v for k, v in dataclasses.asdict(cfg).items()},
-        "data": {"sequences": int(seqs.shape[0]), "prefix_len": plan.prefix_len,
+        "data": {"sequences": int(seqs.shape[0]), "sampled_sequences": plan.drafter_sampled_sequences,
+                 "sample_temperature": plan.drafter_sample_temperature, "prefix_len": plan.prefix_len,
                  "continuation_len": plan.continuation_len, "seed": plan.seed + 1,
                  "sha256": hashlib.sha256(np.ascontiguousarray(seqs).tobytes()).hexdigest()},
         "loss_history": state.get("history", []),
@@ -368,6 +405,75 @@ def evaluate(plan: BuildPlan, target_dir: Path, drafter_dir: Optional[Path], pro
     return result
 
 
+# Everyday chat requests a newcomer types first (the chat-defaults evaluation below).
+CHAT_PROMPTS = (
+    "Write a function that returns the maximum of a list.",
+    "Write a function that reverses a string.",
+    "Write a function that checks whether a number is prime.",
+    "How do I read a file line by line?",
+    "Write a class for a stack with push and pop methods.",
+)
+
+# What `chat` and the server use for the demo pair when the user sets nothing
+# (generation_config.json): sampling, because a tiny target's greedy output loops; a modest cap.
+CHAT_DEFAULTS = {"do_sample": True, "temperature": 0.7, "top_p": 0.9, "max_new_tokens": 256}
+
+
+def generation_config(eos_ids: list[int]) -> dict:
+    """The target's generation_config.json: its end tokens and the demo pair's chat defaults."""
+    return {"eos_token_id": list(eos_ids), **CHAT_DEFAULTS}
+
+
+def evaluate_defaults(target_dir: Path, drafter_dir: Optional[Path], code_prompts: list[str], seed: int = 0,
+                      log: Optional[Log] = None) -> dict:
+    """The pair as a user first meets it, at its generation_config.json defaults: the chat
+    prompts (chat template, generation prompt) and the raw code prompts, one seeded sample each.
+    Per set: the 4-gram repetition rate (repeated / all generated 4-grams, pooled) and the share
+    of answers that ended (emitted an end token) within ``max_new_tokens``."""
+    from ..engine import GenerationSettings, collect, generate_autoregressive, generate_speculative
+    from ..loading import load_drafter, load_target
+    from ..sampling import SamplingSettings
+
+    cfg = json.loads((Path(target_dir) / "generation_config.json").read_text())
+    target = load_target(str(target_dir))
+    drafter = load_drafter(str(drafter_dir)) if drafter_dir is not None else None
+    tok = target.tokenizer
+    sampling = SamplingSettings(temperature=float(cfg.get("temperature", 0.0)) if cfg.get("do_sample", True) else 0.0,
+                                top_p=float(cfg.get("top_p", 1.0)))
+    max_tokens = int(cfg.get("max_new_tokens", 256))
+    stops = sorted(tok.eos_token_ids)
+    sets = {
+        "chat": [tok.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True, tokenize=True)
+                 for p in CHAT_PROMPTS],
+        "code": [tok.encode(p, add_special_tokens=False) for p in code_prompts],
+    }
+    result = {"temperature": sampling.temperature, "top_p": sampling.top_p, "max_tokens": max_tokens, "seed": seed}
+    for name, prompts in sets.items():
+        repeated = total = ended = 0
+        answers = []
+        for i, ids in enumerate(prompts):
+            settings = GenerationSettings(max_tokens=max_tokens, sampling=sampling, seed=seed + i, stop_token_ids=stops)
+            if drafter is not None:
+                out, _ = collect(generate_speculative(target.runner, drafter, list(ids), settings, tok))
+            else:
+                out, _ = collect(generate_autoregressive(target.runner, list(ids), settings, tok))
+            r, t = repetition_rate(out)
+            repeated, total = repeated + r, total + t
+            stopped = bool(out) and out[-1] in stops
+            ended += stopped
+            if name == "chat":
+                answers.append({"prompt": CHAT_PROMPTS[i], "tokens": len(out), "ended": stopped,
+                                "repetition_4gram": r / t if t else 0.0, "text": tok.decode(out)})
+        result[name] = {"prompts": len(prompts), "repetition_rate_4gram": repeated / total if total else 0.0,
+                        "ended_share": ended / len(prompts) if prompts else 0.0}
+        if answers:
+            result[name]["answers"] = answers
+        if log:
+            log(f"defaults ({name}): repetition {_pct(result[name]['repetition_rate_4gram'])}, "
+                f"ended {ended}/{len(prompts)}")
+    return result
+
+
 # ---------------------------------------------------------------------------------------------
 # READMEs
 
@@ -390,9 +496,10 @@ style of the standard library, often wrongly, and it cannot follow instructions.
   {t['training_tokens'] / 1e6:.2f} M training tokens ({t['epochs']} epochs).
 - Held-out perplexity: {t['heldout_perplexity']:.2f} per token on {m['corpus']['num_held_out']} held-out stdlib files.
 - Repetition rate of its greedy outputs (repeated 4-grams): {_pct(m['evaluation'].get('repetition_rate_4gram'))}.
-- Chat: ChatML (`<|im_start|>role ... <|im_end|>`); it answers with a Python function and ends
-  its turn with `<|im_end|>`. Special tokens: `<|endoftext|>` (eos), `<|im_start|>`, `<|im_end|>`,
+- Chat: ChatML (`<|im_start|>role ... <|im_end|>`); it answers with a Python function and is
+  trained to end its turn with `<|im_end|>` (not every answer does, below). Special tokens: `<|endoftext|>` (eos), `<|im_start|>`, `<|im_end|>`,
   `<|mask|>` (the drafter's mask token).
+- Defaults (`generation_config.json`, used by `chat` and the server): {_defaults_line(m)}.
 
 Built by `{m['command']}` (seed {m['seed']}); the record of the
 build (corpus sha256s, seeds, step counts, measured results) is `../MANIFEST.json`, and
@@ -422,6 +529,15 @@ only makes sense with that target; it is a demonstration of the method, not a us
 
 Built by `{m['command']}` (seed {m['seed']}); see `../MANIFEST.json`.
 """
+
+
+def _defaults_line(m: dict) -> str:
+    d = m["evaluation"].get("defaults")
+    if not d:
+        return ", ".join(f"{k} {v}" for k, v in CHAT_DEFAULTS.items())
+    return (f"temperature {d['temperature']}, top-p {d['top_p']}, {d['max_tokens']} tokens per answer, since greedily it "
+            f"loops; at these defaults {_pct(d['chat']['repetition_rate_4gram'])} of the 4-grams of its chat answers repeat "
+            f"and {_pct(d['chat']['ended_share'])} of them end their turn")
 
 
 def _pct(x) -> str:
@@ -459,7 +575,7 @@ def build(plan: BuildPlan, out: Path, work: Path, target_only: bool = False) -> 
     files, train, held = build_corpus(plan, log)
     tok_dir = work / "tokenizer"
     tok = build_tokenizer(plan, train, tok_dir, log)
-    docs, held_docs, doc_stats = build_documents(tok, train, held, log)
+    docs, held_docs, doc_stats = build_documents(plan, tok, train, held, log)
     prompts = corpus_mod.prompt_prefixes(held, plan.num_prompts)
     for p in prompts:  # the held-out text that really follows, for the reference repetition rate
         p["reference_ids"] = tok_mod.encode_plain(tok, [p["reference"]])[0]
@@ -471,22 +587,28 @@ def build(plan: BuildPlan, out: Path, work: Path, target_only: bool = False) -> 
     # need not retrain it); the result is the same either way, training is deterministic.
     stage_key = {
         "plan": {k: getattr(plan, k) for k in ("seed", "vocab_size", "target_model", "target_steps", "target_batch",
-                                              "seq_len", "target_lr", "target_warmup", "heldout_eval_sequences")},
+                                              "seq_len", "target_lr", "target_warmup", "heldout_eval_sequences",
+                                              "deduplicate", "chat_percent", "chat_max_lines", "chat_requests")},
         "corpus": corpus_mod.manifest(files)["list_sha256"],
         "tokenizer": sha256_file(tok_dir / "tokenizer.json"),
+        "documents": hashlib.sha256(np.concatenate([np.asarray(d, dtype=np.int32) for d in docs]).tobytes()).hexdigest(),
     }
     stage_file = work / "target_stage.json"
-    target_info = None
+    target_info, target_seconds = None, None
     if stage_file.exists() and (target_work / "model.safetensors").exists():
         record = json.loads(stage_file.read_text())
         if record.get("key") == stage_key and record.get("weights") == sha256_file(target_work / "model.safetensors"):
             target_info = record["info"]
+            target_seconds = record.get("seconds")
             log(f"target: reusing the finished target in {target_work}")
     if target_info is None:
         target_info = build_target(plan, tok, docs, held_docs, tok_dir, target_work, log)
-        stage_file.write_text(json.dumps({"key": stage_key, "info": target_info,
+        target_seconds = round(time.perf_counter() - t, 1)
+        stage_file.write_text(json.dumps({"key": stage_key, "info": target_info, "seconds": target_seconds,
                                           "weights": sha256_file(target_work / "model.safetensors")}, default=_json_default))
-    timings["target_seconds"] = round(time.perf_counter() - t, 1)
+    else:  # the stage's own time when it ran (a rerun of the build would spend it again)
+        timings["target_reused"] = True
+    timings["target_seconds"] = target_seconds
 
     from ..loading import load_target
 
@@ -501,7 +623,7 @@ def build(plan: BuildPlan, out: Path, work: Path, target_only: bool = False) -> 
     drafter_work = drafter_info["dir"] if drafter_info else None
     evaluation = evaluate(plan, target_work, drafter_work, prompts, log)
     timings["evaluation_seconds"] = round(time.perf_counter() - t, 1)
-    timings["total_seconds"] = round(time.perf_counter() - t_start, 1)
+    timings["total_seconds"] = round(time.perf_counter() - t_start + (target_seconds or 0.0 if timings.get("target_reused") else 0.0), 1)
 
     # Assemble the assets directory.
     out.mkdir(parents=True, exist_ok=True)
@@ -531,7 +653,8 @@ def build(plan: BuildPlan, out: Path, work: Path, target_only: bool = False) -> 
         "description": "Tiny code-completion demo pair (Qwen3.5-architecture hybrid target + DFlash 2 drafter) "
                        "trained on the Python standard library; for demos and tests, not a useful model.",
         "build": plan.name,
-        "command": "python -m dflash2_mlx.training.build_demo_pair" + (" --quick" if plan.name == "quick" else ""),
+        "command": "python -m dflash2_mlx.training.build_demo_pair" + {"quick": " --quick", "next": " --plan next",
+                                                                        "quick-next": " --quick --plan next"}.get(plan.name, ""),
         "seed": plan.seed,
         "plan": {k: v for k, v in dataclasses.asdict(plan).items()},
         "python_version": sys.version.split()[0],
@@ -556,6 +679,10 @@ def build(plan: BuildPlan, out: Path, work: Path, target_only: bool = False) -> 
     shipped = load_target(str(dst_target))
     if drafter_work is not None:
         validate_pair(shipped.runner, load_drafter(str(out / DRAFTER_DIR)).config, shipped.name)
+    t = time.perf_counter()
+    evaluation["defaults"] = evaluate_defaults(dst_target, out / DRAFTER_DIR if drafter_work is not None else None,
+                                               [p["prompt"] for p in prompts], plan.seed, log)
+    timings["defaults_evaluation_seconds"] = round(time.perf_counter() - t, 1)
     (dst_target / "README.md").write_text(target_readme(manifest))
     if drafter_work is not None:
         (out / DRAFTER_DIR / "README.md").write_text(drafter_readme(manifest))
@@ -568,6 +695,24 @@ def build(plan: BuildPlan, out: Path, work: Path, target_only: bool = False) -> 
     (out / "MANIFEST.json").write_text(json.dumps(manifest, indent=1, default=_json_default) + "\n")
     log(f"done in {timings['total_seconds']:.0f}s: {summary(manifest)}")
     return manifest
+
+
+def record_defaults(out: Path) -> dict:
+    """Measure the assets in ``out`` at their chat defaults (``evaluate_defaults``) and record the
+    result, the shipped generation_config.json's size and the time taken in MANIFEST.json."""
+    fix_threads()
+    path = out / "MANIFEST.json"
+    m = json.loads(path.read_text())
+    prompts = [json.loads(line)["prompt"] for line in (out / "prompts.jsonl").read_text().splitlines() if line.strip()]
+    t = time.perf_counter()
+    m["evaluation"]["defaults"] = evaluate_defaults(out / TARGET_DIR, out / DRAFTER_DIR, prompts, m["seed"], Log())
+    m["timings"]["defaults_evaluation_seconds"] = round(time.perf_counter() - t, 1)
+    (out / TARGET_DIR / "README.md").write_text(target_readme(m))
+    for name in (f"{TARGET_DIR}/generation_config.json", f"{TARGET_DIR}/README.md"):
+        m["files_bytes"][name] = (out / name).stat().st_size
+    m["total_bytes"] = sum(m["files_bytes"].values())
+    path.write_text(json.dumps(m, indent=1, default=_json_default) + "\n")
+    return m["evaluation"]["defaults"]
 
 
 def _json_default(x):
@@ -675,6 +820,17 @@ def model_card(m: dict) -> str:
                                          f"{e.get('identical_to_autoregressive')})"),
             (f"acceptance length, t = {e.get('sample_temperature')}", _num(e.get("acceptance_length_t07"))),
         ]
+    dflt = e.get("defaults")
+    if dflt:
+        setting = f"t = {dflt['temperature']}, top-p {dflt['top_p']}, max_tokens {dflt['max_tokens']}"
+        rows += [
+            (f"at the chat defaults ({setting}): {dflt['chat']['prompts']} chat prompts",
+             f"repetition {_pct(dflt['chat']['repetition_rate_4gram'])}, answers that end their turn "
+             f"{_pct(dflt['chat']['ended_share'])}"),
+            (f"at the chat defaults: {dflt['code']['prompts']} code prompts",
+             f"repetition {_pct(dflt['code']['repetition_rate_4gram'])}, ended with an end token "
+             f"{_pct(dflt['code']['ended_share'])}"),
+        ]
     rows += [
         ("prompt-lookup n-gram drafter, t = 0", _num(e.get("prompt_lookup_acceptance_length"))),
         ("evaluation", f"{e['prompts']} held-out prompts, {e['max_tokens']} new tokens each, block size {e['block_size']}"),
@@ -691,17 +847,24 @@ def main(argv: Optional[list[str]] = None) -> int:
                     help="assets directory to write (default: dflash2_mlx/assets; with --quick: a new temp dir)")
     ap.add_argument("--work", type=Path, default=None, help="keep intermediate files here (default: a temp dir)")
     ap.add_argument("--quick", action="store_true", help="tiny step counts: a smoke test in a few minutes")
+    ap.add_argument("--plan", choices=["full", "next"], default="full",
+                    help="full: the committed pair's recipe; next: the improved recipe (docs/embedded-pair.md)")
     ap.add_argument("--target-only", action="store_true", help="stop after the target (no drafter)")
     ap.add_argument("--verify", action="store_true", help="compare the assets and the stdlib with MANIFEST.json")
     ap.add_argument("--check", action="store_true", help="rebuild in a temp dir and compare sha256s with MANIFEST.json")
     ap.add_argument("--card", action="store_true", help="print the model card (markdown) of the MANIFEST.json in --out")
+    ap.add_argument("--evaluate-defaults", action="store_true",
+                    help="measure the pair in --out at its generation_config.json defaults and record it in MANIFEST.json")
     args = ap.parse_args(argv)
-    plan = QUICK if args.quick else FULL
+    plan = {(True, "full"): QUICK, (True, "next"): QUICK_NEXT, (False, "full"): FULL, (False, "next"): NEXT}[args.quick, args.plan]
     out = args.out
     if out is None:
         out = Path(tempfile.mkdtemp(prefix="dflash2-quick-")) if (args.quick and not (args.verify or args.check or args.card)) else default_assets_dir()
     if args.card:
         print(model_card(json.loads((out / "MANIFEST.json").read_text())), end="")
+        return 0
+    if args.evaluate_defaults:
+        record_defaults(out)
         return 0
     if args.verify:
         problems = verify(out)

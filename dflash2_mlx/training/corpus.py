@@ -92,6 +92,19 @@ def load_corpus(root: Optional[Path] = None, percent: int = HELD_OUT_PERCENT, li
     return files
 
 
+def deduplicate(files: Iterable[SourceFile]) -> list[SourceFile]:
+    """The files whose text has not occurred before (in sorted path order): the stdlib ships a
+    few verbatim copies, which would otherwise be trained on twice or land on both sides of the
+    split."""
+    seen, out = set(), []
+    for f in files:
+        key = hashlib.sha256(f.text.encode("utf-8")).digest()
+        if key not in seen:
+            seen.add(key)
+            out.append(f)
+    return out
+
+
 def split(files: Iterable[SourceFile]) -> tuple[list[SourceFile], list[SourceFile]]:
     """(train, held_out), each in sorted path order."""
     files = list(files)
@@ -141,9 +154,14 @@ def compare_manifests(recorded: dict, current: dict) -> list[str]:
 CHAT_PERCENT = 20  # share of eligible functions turned into chat examples (by hash, deterministic)
 
 
-def function_examples(file: SourceFile, percent: int = CHAT_PERCENT, max_lines: int = 40) -> list[tuple[str, str]]:
+def function_examples(
+    file: SourceFile, percent: int = CHAT_PERCENT, max_lines: int = 40, requests: bool = False,
+) -> list[tuple[str, str]]:
     """(user, assistant) pairs from a file's functions: the user gives the signature (and the
-    docstring, if any), the assistant writes the whole function, dedented.
+    docstring, if any), the assistant writes the whole function, dedented. With ``requests``, a
+    function whose docstring opens with a usable summary also gives a second pair whose user turn
+    is a plain-English request made from that summary (``request_from_summary``), the way people
+    ask in chat.
 
     Selection is by the sha256 of "path:line", so it is deterministic and independent of other
     files. Functions longer than ``max_lines`` or with nothing after the docstring are skipped.
@@ -177,8 +195,43 @@ def function_examples(file: SourceFile, percent: int = CHAT_PERCENT, max_lines: 
         header = textwrap.dedent("\n".join(lines[start:header_end]))
         if not header.strip() or header.strip() == source.strip():
             continue
-        out.append((start, header.rstrip() + "\n", source.rstrip() + "\n"))
-    return [(user, assistant) for _, user, assistant in sorted(out)]
+        out.append((start, 0, header.rstrip() + "\n", source.rstrip() + "\n"))
+        if requests and has_doc:
+            request = request_from_summary(body[0].value.value)
+            if request:
+                out.append((start, 1, request, source.rstrip() + "\n"))
+    return [(user, assistant) for _, _, user, assistant in sorted(out)]
+
+
+_ES_ENDINGS = ("s", "sh", "ch", "x", "z")
+_NOT_VERBS = frozenset({"the", "this", "a", "an", "if", "when", "for", "in", "on", "helper", "internal",
+                        "private", "used", "called", "deprecated", "note", "see", "same", "like", "as", "it"})
+
+
+def request_from_summary(docstring: str) -> Optional[str]:
+    """"Write a function that returns the sum." from a docstring opening "Return the sum.":
+    the first sentence, its leading imperative verb put in the third person. None when the
+    summary does not start with a capitalised word or is too short or long to be a request."""
+    summary = docstring.strip().split("\n\n")[0].replace("\n", " ")
+    summary = " ".join(summary.split())
+    end = summary.find(". ")
+    summary = (summary[: end + 1] if end >= 0 else summary).rstrip()
+    words = summary.split(" ")
+    if not (3 <= len(words) <= 24) or not words[0].isalpha() or not words[0][0].isupper():
+        return None
+    verb = words[0].lower()
+    if verb in _NOT_VERBS:
+        return None
+    if verb.endswith("s") and not verb.endswith("ss"):
+        pass  # already third person ("Returns ...")
+    elif verb.endswith("y") and verb[-2:-1] not in "aeiou":
+        verb = verb[:-1] + "ies"
+    elif verb.endswith(_ES_ENDINGS):
+        verb += "es"
+    else:
+        verb += "s"
+    text = " ".join([verb] + words[1:]).rstrip(".:;,")
+    return f"Write a function that {text}.\n"
 
 
 # ---------------------------------------------------------------------------------------------

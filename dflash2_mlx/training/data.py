@@ -1,4 +1,4 @@
-"""Training data for the drafter: corpus prefixes followed by the target's own greedy continuation.
+"""Training data for the drafter: corpus prefixes followed by the target's own continuation (greedy or sampled).
 
 A drafter is judged by how often the target accepts its proposals, and at temperature 0 the target
 accepts exactly its own greedy output. Training on corpus text teaches the drafter the corpus,
@@ -65,8 +65,13 @@ def generate_training_sequences(
     *,
     batch_size: int = 32,
     progress: bool = False,
+    temperature: float = 0.0,
 ) -> np.ndarray:
     """int32 [num_sequences, prefix_len + continuation_len]: corpus windows + the target's greedy continuation.
+
+    With ``temperature`` > 0 the continuation is sampled from the target's softmax(logits / T)
+    instead (keys derived from ``seed`` and the batch, so it is deterministic too): a drafter
+    meant for sampled decoding must also see the contexts sampling produces.
 
     Prefixes are random windows of ``documents`` (token id lists), drawn with ``seed``; each is
     continued by ``continuation_len`` tokens of the target's own greedy decoding, generated
@@ -98,21 +103,28 @@ def generate_training_sequences(
     try:
         for start in range(0, num_sequences, batch_size):
             batch = prefixes[start : start + batch_size]
-            out[start : start + len(batch), prefix_len:] = _greedy_continuation(runner, batch, continuation_len, bar)
+            key = mx.random.key(int(seed) * 1_000_003 + start) if temperature > 0 else None
+            out[start : start + len(batch), prefix_len:] = _continuation(runner, batch, continuation_len, bar, temperature, key)
     finally:
         if bar is not None:
             bar.close()
     return out
 
 
-def _greedy_continuation(runner, prefixes: np.ndarray, length: int, bar: Optional["_Progress"]) -> np.ndarray:
-    """[n, length]: argmax decoding of a batch of equal-length prefixes, as plain decoding does it."""
+def _continuation(runner, prefixes: np.ndarray, length: int, bar: Optional["_Progress"],
+                  temperature: float = 0.0, key: Optional[mx.array] = None) -> np.ndarray:
+    """[n, length]: argmax decoding (temperature 0, as plain decoding does it) or sampling at
+    ``temperature`` (one key per step split from ``key``) of a batch of equal-length prefixes."""
     cache = runner.make_cache()
     tokens = mx.array(prefixes, dtype=mx.int32)
     logits, _ = runner(tokens, cache, logits_from=tokens.shape[1] - 1)
+    keys = mx.random.split(key, length) if temperature > 0 else None
     generated = []
     for i in range(length):
-        nxt = mx.argmax(logits[:, -1], axis=-1).astype(mx.int32)
+        if keys is None:
+            nxt = mx.argmax(logits[:, -1], axis=-1).astype(mx.int32)
+        else:
+            nxt = mx.random.categorical(logits[:, -1].astype(mx.float32) / temperature, key=keys[i]).astype(mx.int32)
         generated.append(nxt)
         if i + 1 < length:
             logits, _ = runner(nxt[:, None], cache)

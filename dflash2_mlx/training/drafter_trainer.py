@@ -102,6 +102,7 @@ __all__ = [
     "block_arrays",
     "forward_blocks",
     "drafter_loss",
+    "block_target_logits",
     "summarize",
     "evaluate_drafter",
     "greedy_walk_correct",
@@ -149,6 +150,9 @@ class DrafterTrainingConfig:
     blocks_per_sequence: int = 16  # anchors per sequence per step
     gamma: Optional[float] = None  # loss decay along the block; None: 7 / 5 / 4 for B = 16 / 10 / 8
     selector_loss_weight: float = 1.0
+    # share of each row's loss from the target's whole next-token distribution (cross-entropy to
+    # its softmax: KL up to the target's entropy), the rest from the label; 0: labels only
+    soft_target_weight: float = 0.0
     selector_grad_to_drafter: bool = False
     selector_init_std: float = 0.1
     # machinery
@@ -179,6 +183,8 @@ class DrafterTrainingConfig:
             raise ValueError("batch_size and blocks_per_sequence must be at least 1")
         if not self.learning_rate > 0:
             raise ValueError(f"learning rate must be positive, got {self.learning_rate}")
+        if not 0.0 <= self.soft_target_weight <= 1.0:
+            raise ValueError(f"soft_target_weight must be in [0, 1], got {self.soft_target_weight}")
         if self.selector and self.selector_top_k < 2:
             raise ValueError(f"selector_top_k must be at least 2, got {self.selector_top_k}")
 
@@ -457,6 +463,17 @@ def forward_blocks(drafter: Drafter, embed, features: mx.array, blocks: mx.array
     return mx.concatenate(out, axis=0)
 
 
+def block_target_logits(lm_head, final: mx.array, anchors: mx.array, block_size: int) -> mx.array:
+    """The target's logits [n*N, B-1, V] for the scored rows of blocks at ``anchors`` [n, N].
+
+    ``final`` [n, S, H]: the target's final-normed last hidden states of the n sequences. Row i
+    (1..B-1) predicts position a + i, which the target predicts from position a + i - 1.
+    """
+    positions = anchors[..., None] + mx.arange(block_size - 1)  # [n, N, B-1]
+    rows = final[mx.arange(final.shape[0])[:, None, None], positions]  # [n, N, B-1, H]
+    return lm_head(rows.reshape(-1, block_size - 1, rows.shape[-1]))
+
+
 def selector_scores(selector, hidden: mx.array, candidates: mx.array, unary: mx.array, predecessors: mx.array) -> mx.array:
     """Teacher-forced pair scores [M, R, k]: row i's candidates after the true token of row i-1."""
     left = selector.predecessor_codebook[predecessors] * selector.hidden_projection(hidden)  # [M, R, r]
@@ -477,8 +494,13 @@ def drafter_loss(
     predecessors: mx.array,
     weights: mx.array,
     config: DrafterTrainingConfig,
+    target_logits: Optional[mx.array] = None,
 ) -> tuple[mx.array, dict[str, mx.array]]:
     """(total loss, metrics) from the block hidden rows [M, B, H] (row 0 = anchor, not scored).
+
+    ``target_logits`` [M, B-1, V]: the frozen target's logits for the rows' positions; with
+    ``config.soft_target_weight`` > 0 that share of each row's cross-entropy is taken against
+    the target's softmax instead of the label (metric ``soft``: that soft cross-entropy).
 
     metrics: ce, sel (selector loss), acc (drafter top-1), sel_acc (selector top-1 with the true
     predecessor), hit (label within the top-k: the rows the selector loss counts), tau / tau_top1
@@ -489,9 +511,16 @@ def drafter_loss(
     h = hidden[:, 1:]
     logits = drafter.logits(h, lm_head)  # [M, R, V]
     ce = nn.losses.cross_entropy(logits, labels, reduction="none")  # [M, R]
+    soft = None
+    if target_logits is not None and config.soft_target_weight > 0:
+        teacher = mx.softmax(mx.stop_gradient(target_logits).astype(mx.float32), axis=-1)
+        soft = -(teacher * nn.log_softmax(logits, axis=-1)).sum(axis=-1)  # [M, R]
+        ce = (1.0 - config.soft_target_weight) * ce + config.soft_target_weight * soft
     ce_loss = (ce * weights).sum(axis=-1).mean()
     top1 = mx.argmax(logits, axis=-1) == labels
     metrics = {"ce": ce_loss, "acc": top1.astype(mx.float32).mean(), "tau_top1": 1.0 + _leading_run(top1).mean()}
+    if soft is not None:
+        metrics["soft"] = (soft * weights).sum(axis=-1).mean()
     total = ce_loss
     if drafter.config.is_dflash2:
         sel = drafter.candidate_selector
@@ -621,26 +650,35 @@ def evaluate_drafter(
 class _Features:
     """The target's tapped hidden states per sequence: precomputed when they fit, else per step."""
 
-    def __init__(self, runner, sequences: np.ndarray, taps: list[int], budget: int, batch: int = 16):
-        self.runner, self.sequences, self.taps = runner, sequences, list(taps)
+    def __init__(self, runner, sequences: np.ndarray, taps: list[int], budget: int, batch: int = 16, final: bool = False):
+        self.runner, self.sequences, self.taps, self.final = runner, sequences, list(taps), final
+        self.last = len(runner.layers) - 1
         n, s = sequences.shape
-        nbytes = n * s * len(taps) * runner.hidden_size * 4
-        self.cached: Optional[mx.array] = None
+        nbytes = n * s * (len(taps) + int(final)) * runner.hidden_size * 4
+        self.cached: Optional[tuple[mx.array, Optional[mx.array]]] = None
         if nbytes <= budget:
             parts = []
             for i in range(0, n, batch):
                 parts.append(self._compute(sequences[i : i + batch]))
                 mx.eval(parts[-1])
-            self.cached = mx.concatenate(parts, axis=0) if len(parts) > 1 else parts[0]
+            self.cached = tuple(mx.concatenate(p, axis=0) if p[0] is not None else None for p in zip(*parts))
             mx.eval(self.cached)
 
-    def _compute(self, tokens: np.ndarray) -> mx.array:
-        _, feats = self.runner(mx.array(tokens, dtype=mx.int32), self.runner.make_cache(), taps=self.taps, logits_from=tokens.shape[1] - 1)
-        return mx.stop_gradient(feats.astype(mx.float32))
+    def _compute(self, tokens: np.ndarray) -> tuple[mx.array, Optional[mx.array]]:
+        """(tapped features [n, S, T*H], the final-normed last hidden state [n, S, H] or None)."""
+        taps = self.taps + ([self.last] if self.final else [])
+        _, feats = self.runner(mx.array(tokens, dtype=mx.int32), self.runner.make_cache(), taps=taps, logits_from=tokens.shape[1] - 1)
+        feats = mx.stop_gradient(feats.astype(mx.float32))
+        if not self.final:
+            return feats, None
+        width = len(self.taps) * self.runner.hidden_size
+        return feats[..., :width], self.runner.inner.norm(feats[..., width:])
 
-    def __call__(self, indices: np.ndarray) -> mx.array:
+    def __call__(self, indices: np.ndarray) -> tuple[mx.array, Optional[mx.array]]:
+        """(features, final hidden or None) of the sequences ``indices``."""
         if self.cached is not None:
-            return self.cached[mx.array(indices)]
+            idx = mx.array(indices)
+            return tuple(c[idx] if c is not None else None for c in self.cached)
         return self._compute(self.sequences[indices])
 
 
@@ -844,18 +882,21 @@ def train_drafter(
         stop_at = config.stop_at_step if stop_at is None else min(stop_at, config.stop_at_step)
 
     weights = mx.array(loss_weights(drafter_config.block_size, config.resolved_gamma()))
-    features = _Features(runner, sequences, drafter_config.target_layer_ids, config.feature_cache_bytes)
+    soft = config.soft_target_weight > 0
+    features = _Features(runner, sequences, drafter_config.target_layer_ids, config.feature_cache_bytes, final=soft)
     lm_head = runner.lm_head
 
-    def loss_fn(feats, blocks, anchors, labels, preds):
+    def loss_fn(feats, final, blocks, anchors, labels, preds):
         hidden = forward_blocks(drafter, runner.embed, feats, blocks, anchors)
         M = hidden.shape[0]
-        return drafter_loss(drafter, lm_head, hidden, labels.reshape(M, -1), preds.reshape(M, -1), weights, config)
+        target_logits = None if final is None else block_target_logits(lm_head, final, anchors, drafter_config.block_size)
+        return drafter_loss(drafter, lm_head, hidden, labels.reshape(M, -1), preds.reshape(M, -1), weights, config,
+                            target_logits)
 
     loss_and_grad = nn.value_and_grad(drafter, loss_fn)
 
-    def train_step(feats, blocks, anchors, labels, preds):
-        (loss, metrics), grads = loss_and_grad(feats, blocks, anchors, labels, preds)
+    def train_step(feats, final, blocks, anchors, labels, preds):
+        (loss, metrics), grads = loss_and_grad(feats, final, blocks, anchors, labels, preds)
         # The selector's gradients are clipped on their own: with the default (detached) selector
         # loss the drafter's trajectory is then exactly that of a run without the selector, so
         # the ablations "+ convs" and "+ both" share one drafter and differ only in the selector.
@@ -922,7 +963,7 @@ def train_drafter(
                 fraction = elapsed / budget
             optimizer.learning_rate = learning_rate_at(config, fraction)
             metrics = train_step(
-                features(idx), mx.array(blocks), mx.array(anchors), mx.array(labels), mx.array(preds),
+                *features(idx), mx.array(blocks), mx.array(anchors), mx.array(labels), mx.array(preds),
             )
             mx.eval(metrics, drafter.parameters(), optimizer.state)
             dt = time.perf_counter() - t0
