@@ -1,13 +1,18 @@
 """Load test of `dflash2-mlx serve` on loopback: concurrent streaming clients, checked for exactness.
 
-Starts a server process, runs every prompt once alone (greedy, streaming) as the reference, then
-runs CLIENTS concurrent streaming clients with REQUESTS requests each (the same prompts) and checks
+Starts one server process per ``--max-concurrent`` value (default 1 and 4: one request at a time,
+as before the scheduler, against interleaved decoding), runs every prompt once alone on the first
+(greedy, streaming) as the reference, then runs CLIENTS concurrent streaming clients with REQUESTS
+requests each (the same prompts), the servers taking turns for ``--repeats`` rounds, and checks
 every concurrent output is identical to its solo run. Reports time to first token (p50/p95, from
 sending the request to the first content chunk: queue wait included), per-request latency and
-total throughput (completion tokens / wall time) for the solo and concurrent phases.
+total throughput (completion tokens / wall time) for the solo and concurrent phases. Then, on each
+server, a 16-token request is sent while a 1500-token stream runs: its latency against its solo
+latency, and whether the long stream's text stayed the same.
 
     python benchmarks/server_load.py [--model M --draft-model D] [--clients 16] [--requests 4]
-                                     [--max-tokens 64] [--time-limit 600] [--json]
+                                     [--max-tokens 64] [--max-concurrent 1 4] [--repeats 1]
+                                     [--time-limit 900] [--json]
 
 Without --model it uses the embedded demo pair when installed, else builds the tests' tiny pair
 (tests/tiny.py) in a temporary directory. Loopback only; the run is bounded by --time-limit.
@@ -17,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import statistics
 import sys
@@ -56,9 +62,9 @@ def models(args, tmp: Path) -> tuple[str, str | None]:
     return str(target), str(drafter)
 
 
-async def stream_one(client: httpx.AsyncClient, model: str, prompt: str, max_tokens: int) -> dict:
+async def stream_one(client: httpx.AsyncClient, model: str, prompt: str, max_tokens: int, **extra) -> dict:
     body = {"model": model, "messages": [{"role": "user", "content": prompt}], "max_tokens": max_tokens,
-            "temperature": 0, "stream": True, "stream_options": {"include_usage": True}}
+            "temperature": 0, "stream": True, "stream_options": {"include_usage": True}, **extra}
     t0 = time.perf_counter()
     ttft, text, usage, finish = None, [], None, None
     async with client.stream("POST", "/v1/chat/completions", json=body) as r:
@@ -98,18 +104,21 @@ def summary(results: list[dict], wall: float) -> dict:
             "latency_p50_s": round(statistics.median(lat), 4), "latency_p95_s": round(pct(lat, 0.95), 4)}
 
 
-async def run(base: str, model: str, prompts: list[str], clients: int, requests: int, max_tokens: int,
-              deadline: float) -> dict:
-    limits = httpx.Limits(max_connections=clients + 4, max_keepalive_connections=clients + 4)
-    async with httpx.AsyncClient(base_url=base, timeout=httpx.Timeout(300.0), limits=limits) as client:
+async def solo_runs(base: str, model: str, prompts: list[str], max_tokens: int, deadline: float) -> tuple[dict, float]:
+    async with httpx.AsyncClient(base_url=base, timeout=httpx.Timeout(300.0)) as client:
         await stream_one(client, model, "warm up", 8)
         solo, t0 = {}, time.perf_counter()
         for p in prompts:
             if time.perf_counter() > deadline:
                 raise TimeoutError("time limit reached during the solo runs")
             solo[p] = await stream_one(client, model, p, max_tokens)
-        solo_wall = time.perf_counter() - t0
+    return solo, time.perf_counter() - t0
 
+
+async def concurrent_runs(base: str, model: str, prompts: list[str], clients: int, requests: int, max_tokens: int,
+                          deadline: float) -> tuple[list[dict], float]:
+    limits = httpx.Limits(max_connections=clients + 4, max_keepalive_connections=clients + 4)
+    async with httpx.AsyncClient(base_url=base, timeout=httpx.Timeout(300.0), limits=limits) as client:
         async def client_task(c: int) -> list[dict]:
             out = []
             for k in range(requests):
@@ -119,11 +128,31 @@ async def run(base: str, model: str, prompts: list[str], clients: int, requests:
         t0 = time.perf_counter()
         remaining = max(1.0, deadline - time.perf_counter())
         per_client = await asyncio.wait_for(asyncio.gather(*(client_task(c) for c in range(clients))), remaining)
-        wall = time.perf_counter() - t0
-    results = [r for rs in per_client for r in rs]
-    mismatches = [r["prompt"] for r in results if r["text"] != solo[r["prompt"]]["text"]]
-    return {"solo": summary(list(solo.values()), solo_wall), "concurrent": summary(results, wall),
-            "identical_to_solo": not mismatches, "mismatches": mismatches[:5]}
+    return [r for rs in per_client for r in rs], time.perf_counter() - t0
+
+
+async def short_beside_long(base: str, model: str, no_eos: dict, long_tokens: int = 1500) -> dict:
+    """A 16-token request sent while a ``long_tokens``-token stream runs (lengths fixed by a logit
+    bias against the end tokens): its latency against its solo latency (median of 3)."""
+    short, long_ = "Write a Python function that adds two numbers.", "Write a long Python module for a parser."
+    async with httpx.AsyncClient(base_url=base, timeout=httpx.Timeout(600.0)) as client:
+        await stream_one(client, model, short, 16, logit_bias=no_eos)
+        solo = []
+        for _ in range(3):
+            r = await stream_one(client, model, short, 16, logit_bias=no_eos)
+            solo.append(r["latency"])
+        long_solo = await stream_one(client, model, long_, long_tokens, logit_bias=no_eos)
+        long_task = asyncio.create_task(stream_one(client, model, long_, long_tokens, logit_bias=no_eos))
+        await asyncio.sleep(min(2.0, long_solo["latency"] / 4))
+        beside = await stream_one(client, model, short, 16, logit_bias=no_eos)
+        still_running = not long_task.done()
+        long_beside = await long_task
+    return {"short_solo_latency_s": round(statistics.median(solo), 4), "short_beside_latency_s": round(beside["latency"], 4),
+            "short_beside_ttft_s": round(beside["ttft"], 4), "long_stream_still_running": still_running,
+            "long_stream_s": round(long_solo["latency"], 3), "long_tokens": long_beside["tokens"],
+            "long_text_unchanged": long_beside["text"] == long_solo["text"],
+            "short_text_unchanged": beside["text"] == r["text"],
+            "within_3x_plus_0.5s": beside["latency"] <= 3 * statistics.median(solo) + 0.5}
 
 
 def main() -> int:
@@ -133,39 +162,78 @@ def main() -> int:
     ap.add_argument("--clients", type=int, default=16)
     ap.add_argument("--requests", type=int, default=4)
     ap.add_argument("--max-tokens", type=int, default=64)
-    ap.add_argument("--time-limit", type=float, default=600.0, help="seconds for the whole run")
+    ap.add_argument("--max-concurrent", type=int, nargs="+", default=[1, 4],
+                    help="one server per value; 1 is one request at a time (the behaviour before the scheduler)")
+    ap.add_argument("--repeats", type=int, default=1, help="concurrent phases per server, taking turns")
+    ap.add_argument("--no-short-beside-long", action="store_true", help="skip the 16-token-beside-1500 check")
+    ap.add_argument("--time-limit", type=float, default=900.0, help="seconds for the whole run")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
     deadline = time.perf_counter() + args.time_limit
-    with tempfile.TemporaryDirectory() as tmp:
+    report: dict = {"runs": {}}
+    with tempfile.TemporaryDirectory() as tmp, contextlib.ExitStack() as stack:
         target, drafter = models(args, Path(tmp))
-        serve_args = ["--model", target] + (["--draft-model", drafter] if drafter else ["--no-draft"])
-        serve_args += ["--max-queue", str(args.clients * 2), "--request-timeout", str(args.time_limit)]
+        model = model_name_for(target)
         n = args.clients * args.requests
         prompts = [f"Write Python code for {PROMPT_TOPICS[i % len(PROMPT_TOPICS)]} (variant {i})." for i in range(n)]
-        with running_server(serve_args, Path(tmp) / "server.log", nice=False) as srv:
-            report = asyncio.run(run(srv.base, model_name_for(target), prompts, args.clients,
-                                     args.requests, args.max_tokens, deadline))
+        servers = {}
+        for mc in args.max_concurrent:
+            serve_args = ["--model", target] + (["--draft-model", drafter] if drafter else ["--no-draft"])
+            serve_args += ["--max-queue", str(args.clients * 2), "--request-timeout", str(args.time_limit),
+                           "--max-concurrent", str(mc), "--prompt-cache-dir", "none"]
+            servers[mc] = stack.enter_context(running_server(serve_args, Path(tmp) / f"server-{mc}.log", nice=False))
+        from mlx_lm.utils import load_tokenizer
+
+        no_eos = {str(t): -100 for t in load_tokenizer(Path(target)).eos_token_ids} if Path(target).exists() else {}
+        first = args.max_concurrent[0]  # the solo reference runs once, on the first server
+        solo, wall = asyncio.run(solo_runs(servers[first].base, model, prompts, args.max_tokens, deadline))
+        report["solo"] = summary(list(solo.values()), wall)
+        for mc in servers:
+            report["runs"][mc] = {"concurrent": []}
+        results = {mc: [] for mc in servers}
+        for _ in range(args.repeats):
+            for mc, srv in servers.items():  # the servers take turns: same-run comparison
+                res, wall = asyncio.run(concurrent_runs(srv.base, model, prompts, args.clients, args.requests,
+                                                        args.max_tokens, deadline))
+                results[mc] += res
+                report["runs"][mc]["concurrent"].append(summary(res, wall))
+        for mc, srv in servers.items():
+            run = report["runs"][mc]
+            mismatches = [r["prompt"] for r in results[mc] if r["text"] != solo[r["prompt"]]["text"]]
+            run["identical_to_solo"] = not mismatches
+            run["mismatches"] = mismatches[:5]
+            if not args.no_short_beside_long:
+                run["short_beside_long"] = asyncio.run(short_beside_long(srv.base, model, no_eos))
             m = metrics(srv.base)
-            report["server"] = {"acceptance_length": m.get("dflash2_mlx_acceptance_length"),
-                                "queue_depth_after": m.get("dflash2_mlx_queue_depth"),
-                                "prefix_cache_hits": m.get("dflash2_mlx_prefix_cache_hits_total")}
-            report["setup"] = {"model": target, "drafter": drafter, "clients": args.clients,
-                               "requests_per_client": args.requests, "max_tokens": args.max_tokens}
+            run["server"] = {"acceptance_length": m.get("dflash2_mlx_acceptance_length"),
+                             "queue_depth_after": m.get("dflash2_mlx_queue_depth"),
+                             "active_after": m.get("dflash2_mlx_active_requests")}
             if "Traceback" in srv.log_text():
-                report["server_errors"] = srv.log_text()[-2000:]
+                run["server_errors"] = srv.log_text()[-2000:]
+        report["setup"] = {"model": target, "drafter": drafter, "clients": args.clients,
+                           "requests_per_client": args.requests, "max_tokens": args.max_tokens,
+                           "max_concurrent": args.max_concurrent, "repeats": args.repeats}
+    ok = all(r["identical_to_solo"] and "server_errors" not in r for r in report["runs"].values())
     if args.json:
         print(json.dumps(report, indent=2))
     else:
-        s, c = report["solo"], report["concurrent"]
-        print(f"solo:       {s['requests']} requests in {s['wall_s']:.1f} s, {s['throughput_tok_s']} tok/s, "
+        s = report["solo"]
+        print(f"solo (reference): {s['requests']} requests in {s['wall_s']:.1f} s, {s['throughput_tok_s']} tok/s, "
               f"TTFT p50 {s['ttft_p50_s'] * 1000:.0f} ms p95 {s['ttft_p95_s'] * 1000:.0f} ms")
-        print(f"concurrent: {args.clients} clients x {args.requests} = {c['requests']} requests in {c['wall_s']:.1f} s, "
-              f"{c['throughput_tok_s']} tok/s, TTFT p50 {c['ttft_p50_s'] * 1000:.0f} ms p95 {c['ttft_p95_s'] * 1000:.0f} ms, "
-              f"latency p50 {c['latency_p50_s']:.2f} s p95 {c['latency_p95_s']:.2f} s")
-        print(f"outputs identical to solo runs: {report['identical_to_solo']}; "
-              f"acceptance length {report['server']['acceptance_length']}")
-    return 0 if report["identical_to_solo"] and "server_errors" not in report else 1
+        for mc, run in report["runs"].items():
+            print(f"--max-concurrent {mc}")
+            for c in run["concurrent"]:
+                print(f"  concurrent: {args.clients} clients x {args.requests} = {c['requests']} requests in {c['wall_s']:.1f} s, "
+                      f"{c['throughput_tok_s']} tok/s, TTFT p50 {c['ttft_p50_s']:.2f} s p95 {c['ttft_p95_s']:.2f} s, "
+                      f"latency p50 {c['latency_p50_s']:.2f} s p95 {c['latency_p95_s']:.2f} s")
+            print(f"  outputs identical to solo runs: {run['identical_to_solo']}; "
+                  f"acceptance length {run['server']['acceptance_length']}")
+            sb = run.get("short_beside_long")
+            if sb:
+                print(f"  16 tokens beside a 1500-token stream: {sb['short_beside_latency_s']:.2f} s "
+                      f"(solo {sb['short_solo_latency_s']:.2f} s; within 3x + 0.5 s: {sb['within_3x_plus_0.5s']}); "
+                      f"long stream unchanged: {sb['long_text_unchanged']}")
+    return 0 if ok else 1
 
 
 if __name__ == "__main__":

@@ -200,25 +200,19 @@ class Worker:
         log.info("model %s ready%s", self.target.name,
                  f" with drafter {self.drafter.path}" if self.drafter is not None else " (no drafter)")
         while True:
-            with self._cond:
-                while not self._queue and not len(self._active) and self.state == "ready" and not self._clear_requested:
-                    if not self._cond.wait(timeout=5.0):
-                        self._refresh_gauges()
-                idle = not self._queue and not len(self._active)
-                clear = self._clear_requested and idle
-                self._clear_requested &= not clear
-                if idle and not clear:
-                    break  # stopping and drained
-                room = self._active.max_active - len(self._active)
-                admitted = [self._queue.popleft() for _ in range(min(room, len(self._queue)))]
-            if clear:
+            work = self._next_work()
+            if work is None:
+                break  # stopping and drained
+            if work == "clear":
                 self._clear_prefix_cache()
                 continue
-            for job in admitted:
+            for job in work:
                 active = self._admit(job)
                 if active is not None:
                     with self._cond:
                         self._active.add(active)
+                        if self.state != "ready":  # shutdown() ran while it was being admitted
+                            job.stop("shutdown")
             with self._cond:  # a round: one step of every active job (off: of one, in turn)
                 group = self._active.next_group(1 if self.batch_switch.mode == "off" else len(self._active))
             for active, done in zip(group, self._step_group(group)):
@@ -229,6 +223,22 @@ class Worker:
                     self._release_memory()
         if self.prefix_cache is not None and self.prefix_cache.disk is not None:
             self.prefix_cache.disk.flush(timeout=10)  # snapshots still queued reach the disk
+
+    def _next_work(self):
+        """Wait for work -> the jobs to admit now (maybe none: step the active ones), "clear"
+        (drop the prefix cache, when idle), or None (stopping, nothing left)."""
+        with self._cond:
+            while not self._queue and not len(self._active) and self.state == "ready" and not self._clear_requested:
+                if not self._cond.wait(timeout=5.0):
+                    self._refresh_gauges()
+            idle = not self._queue and not len(self._active)
+            if idle and self._clear_requested:
+                self._clear_requested = False
+                return "clear"
+            if idle:
+                return None
+            room = self._active.max_active - len(self._active)
+            return [self._queue.popleft() for _ in range(min(room, len(self._queue)))]
 
     def _load(self) -> None:
         if self._loader is not None:  # tests: inject already-built objects
