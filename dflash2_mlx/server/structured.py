@@ -192,8 +192,9 @@ def tool_call_markers(tokenizer) -> tuple[str, str]:
 
 def _lark_literal(text: str, tokenizer) -> str:
     """A Lark terminal for ``text``: the token itself when it is one special token of the vocabulary."""
-    hf = getattr(tokenizer, "_tokenizer", tokenizer)
-    added = getattr(hf, "added_tokens_encoder", {}) or {}
+    from dflash2_mlx.constrained import hf_tokenizer
+
+    added = getattr(hf_tokenizer(tokenizer), "added_tokens_encoder", {}) or {}
     if text in added:
         return f"<[{added[text]}]>"
     return json.dumps(text)
