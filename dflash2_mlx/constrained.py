@@ -125,7 +125,7 @@ def grammar_tokenizer(tokenizer, stop_token_ids: Sequence[int] = ()):
     tokenizer (it takes seconds at a 248K vocabulary: the server warms it up after loading)."""
     import llguidance.hf
 
-    hf = getattr(tokenizer, "_tokenizer", tokenizer)
+    hf = hf_tokenizer(tokenizer)
     stops = sorted(set(stop_token_ids) or set(getattr(tokenizer, "eos_token_ids", ()) or ()) or {hf.eos_token_id})
     key = id(hf)
     with _TOKENIZERS_LOCK:
@@ -134,6 +134,13 @@ def grammar_tokenizer(tokenizer, stop_token_ids: Sequence[int] = ()):
             cached = (hf, stops, llguidance.hf.from_tokenizer(hf, eos_token=list(stops)))
             _TOKENIZERS[key] = cached
         return cached[2]
+
+
+def hf_tokenizer(tokenizer):
+    """The Hugging Face tokenizer itself, out of mlx-lm's ``TokenizerWrapper`` if wrapped."""
+    from mlx_lm.tokenizer_utils import TokenizerWrapper
+
+    return tokenizer._tokenizer if isinstance(tokenizer, TokenizerWrapper) else tokenizer
 
 
 class Grammar:

@@ -261,3 +261,27 @@ def test_reasoning_is_dimmed_and_collapsible():
             assert "weighing options" in screen and "thought for" not in screen
         else:
             assert "▸ thought for" in screen and "16 characters" in screen
+
+
+def test_json_schema_and_the_schema_command_force_answers_into_a_schema(tmp_path):
+    jsonschema = pytest.importorskip("jsonschema")
+    schema = {"type": "object", "properties": {"ok": {"type": "boolean"}, "n": {"type": "integer", "minimum": 0,
+                                                                                  "maximum": 9}},
+              "required": ["ok", "n"], "additionalProperties": False}
+    path = tmp_path / "schema.json"
+    path.write_text(json.dumps(schema))
+    child = spawn("--max-tokens", "40", "--json-schema", str(path))
+    try:
+        turn(child, "hello")
+        assert str(path) in command(child, "/schema")
+        assert "free text" in command(child, "/schema -")
+        turn(child, "again")
+        saved = tmp_path / "c.json"
+        command(child, f"/save {saved}")
+        answers = [m["content"] for m in json.loads(saved.read_text())["messages"] if m["role"] == "assistant"]
+        jsonschema.validate(json.loads(answers[0]), schema)
+        assert "error:" in command(child, f"/schema {tmp_path / 'missing.json'}")
+        child.sendline("/exit")
+        child.expect(pexpect.EOF)
+    finally:
+        child.close(force=True)

@@ -140,3 +140,32 @@ def test_doctor_reports_backend_blas_and_kernels():
     assert out.returncode == 0, out.stderr
     for key in ("MLX", "BLAS", "kernels", "two_tap_conv: reference", "select_greedy: reference", "model cache"):
         assert key in out.stdout
+
+
+BOUNDED_SCHEMA = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 10},
+                                                   "kind": {"enum": ["fn", "class"]},
+                                                   "lines": {"type": "integer", "minimum": 1, "maximum": 99}},
+                  "required": ["name", "kind", "lines"], "additionalProperties": False}
+
+
+def test_generate_json_schema_forces_a_valid_answer_and_stays_lossless(embedded_pair, tmp_path):
+    jsonschema = pytest.importorskip("jsonschema")
+    schema = tmp_path / "schema.json"
+    schema.write_text(json.dumps(BOUNDED_SCHEMA))
+    common = ["generate", "--ignore-chat-template", "--prompt", "def f(x):", "--max-tokens", "80", "--json",
+              "--json-schema", str(schema)]
+    spec, plain = run(*common), run(*common, "--no-draft")
+    assert spec.returncode == 0, spec.stderr
+    s, p = json.loads(spec.stdout), json.loads(plain.stdout)
+    assert s["tokens"] == p["tokens"] and s["finish_reason"] == "stop" and s["verify_steps"] > 0
+    jsonschema.validate(json.loads(s["text"]), BOUNDED_SCHEMA)
+
+
+def test_generate_json_schema_errors_are_one_line(tmp_path, run_in_process):
+    base = ["generate", "--prompt", "x", "--no-draft", "--json-schema"]
+    bad = tmp_path / "bad.json"
+    bad.write_text(json.dumps({"type": "array", "uniqueItems": True}))
+    assert "'uniqueItems'" in _one_line_error(run_in_process(*base, str(bad)))
+    bad.write_text("{not json")
+    assert "is not JSON" in _one_line_error(run_in_process(*base, str(bad)))
+    assert "cannot read" in _one_line_error(run_in_process(*base, str(tmp_path / "missing.json")))

@@ -178,6 +178,14 @@ def test_responses_json_schema_answers_parse_and_validate(client, sampling):
     assert parsed.output_parsed.city in ("Paris", "Rome") and isinstance(parsed.output_parsed.sunny, bool)
 
 
+def test_a_schema_the_grammar_cannot_enforce_is_a_400_naming_the_responses_field(client):
+    schema = {"type": "array", "items": {"type": "string"}, "uniqueItems": True}
+    with pytest.raises(openai.BadRequestError) as e:
+        respond(client, text={"format": {"type": "json_schema", "name": "x", "schema": schema}})
+    assert e.value.body["param"].startswith("text.format.schema") and "uniqueItems" in e.value.body["message"]
+    assert "response_format" not in e.value.body["message"]
+
+
 @pytest.mark.parametrize("tool_choice", ["required", {"type": "function", "name": "get_weather"}])
 def test_responses_forced_tool_calls_are_valid_function_call_items(client, tool_choice):
     jsonschema = pytest.importorskip("jsonschema")

@@ -299,8 +299,8 @@ def _text(content, param: str) -> str:
     return "".join(pieces)
 
 
-CHAT_TO_RESPONSES = (("max_completion_tokens", "max_output_tokens"), ("response_format", "text.format"),
-                     ("messages", "input"))
+CHAT_TO_RESPONSES = (("max_completion_tokens", "max_output_tokens"), ("response_format.json_schema", "text.format"),
+                     ("response_format", "text.format"), ("messages", "input"))
 
 
 def renamed(err: APIError) -> APIError:

@@ -18,7 +18,12 @@ request field and, for a schema, the keyword the engine cannot enforce. Nothing 
 - ``structured_output(...)``: the one constraint of a request: a forced tool call wins over a
   response format (the answer is then a tool call, not content).
 
-The worker thread turns the constraint into an engine grammar with ``OutputConstraint.grammar``.
+Use: ``build_params(..., constraint=structured_output(...))`` puts it on ``GenParams.constraint``;
+the worker thread turns it into the engine's grammar (``params.to_settings`` ->
+``OutputConstraint.grammar``, starting after a reasoning block the prompt opens). A route that
+renders tools passes ``forced_tool_calls=params.forces_tool_calls`` to ``chat.OutputParser`` so
+the forced calls come back as tool calls whatever the model's template knows.
+
 Forced tool calls use the model's tool-call markers when mlx-lm knows them for a JSON tool format
 (``json_tools``) and Qwen's ``<tool_call>`` / ``</tool_call>`` text otherwise; the output is
 ``<tool_call>\\n{"name": "NAME", "arguments": {...}}\\n</tool_call>`` (calls separated by a newline),
@@ -192,8 +197,9 @@ def tool_call_markers(tokenizer) -> tuple[str, str]:
 
 def _lark_literal(text: str, tokenizer) -> str:
     """A Lark terminal for ``text``: the token itself when it is one special token of the vocabulary."""
-    hf = getattr(tokenizer, "_tokenizer", tokenizer)
-    added = getattr(hf, "added_tokens_encoder", {}) or {}
+    from dflash2_mlx.constrained import hf_tokenizer
+
+    added = getattr(hf_tokenizer(tokenizer), "added_tokens_encoder", {}) or {}
     if text in added:
         return f"<[{added[text]}]>"
     return json.dumps(text)
