@@ -30,6 +30,8 @@ from .common import (
     model_option,
     preset_option,
     printable,
+    prompt_cache_location,
+    prompt_cache_option,
 )
 
 HELP_TEXT = """\
@@ -208,7 +210,7 @@ class Turn:
 
 class ChatSession:
     def __init__(self, target, drafter, settings, console, system: Optional[str], thinking: Optional[bool],
-                 show_thinking: bool, cache_bytes: int, label: str):
+                 show_thinking: bool, cache_bytes: int, label: str, disk=None):
         from dflash2_mlx.prefix_cache import PrefixCache
 
         self.target, self.drafter, self.settings = target, drafter, settings
@@ -217,7 +219,7 @@ class ChatSession:
         self.system = system
         self.template_kwargs = {} if thinking is None else {"enable_thinking": thinking}
         self.show_thinking = show_thinking
-        self.cache = PrefixCache(max_bytes=cache_bytes)
+        self.cache = PrefixCache(max_bytes=cache_bytes, disk=disk)
         self.label = label
         self.messages: list[dict] = []
         self.turns: list[Turn] = []
@@ -510,6 +512,8 @@ def chat_command(
     thinking: Optional[bool] = typer.Option(None, "--thinking/--no-thinking", help="Turn the model's reasoning on or off (chat template enable_thinking). Default: the template's."),
     show_thinking: bool = typer.Option(False, "--show-thinking", help="Print reasoning in full (dimmed) instead of collapsing it to one line."),
     cache_gb: float = typer.Option(2.0, "--cache-gb", help="Memory budget of the prefix cache that lets later turns skip re-reading the conversation."),
+    prompt_cache_dir: Optional[str] = prompt_cache_option(),
+    prompt_cache_gb: float = typer.Option(8.0, "--prompt-cache-gb", help="Disk budget of the prompt cache directory, in GB."),
 ) -> None:
     """Chat in the terminal with streaming answers, using the model's chat template.
 
@@ -531,6 +535,9 @@ def chat_command(
     check_positive("--max-tokens", max_tokens)
     if cache_gb < 0:
         fail(f"--cache-gb must be 0 or more, got {cache_gb}")
+    if prompt_cache_gb < 0:
+        fail(f"--prompt-cache-gb must be 0 or more, got {prompt_cache_gb}")
+    cache_dir = prompt_cache_location(prompt_cache_dir)
     if no_draft and draft_model is not None:
         fail("--no-draft and --draft-model contradict each other: pick one")
     choice = choose_models(model, draft_model, preset, need_draft=not no_draft)
@@ -539,11 +546,20 @@ def chat_command(
     settings = GenerationSettings(max_tokens=max_tokens, sampling=sampling, seed=seed, block_size=block_size,
                                   stop_token_ids=sorted(target.tokenizer.eos_token_ids))
     console = Console(highlight=False)
+    disk = None
+    if cache_dir is not None and prompt_cache_gb > 0:
+        from dflash2_mlx.disk_cache import open_disk_cache
+
+        disk = open_disk_cache(cache_dir, int(prompt_cache_gb * 2**30), target, drafter)
     session = ChatSession(target, drafter, settings, console, system, thinking, show_thinking,
-                          int(cache_gb * 2**30), choice.label)
+                          int(cache_gb * 2**30), choice.label, disk)
     mode = (f"DFlash 2, block {block_size or drafter.config.block_size}" if drafter is not None and drafter.config.is_dflash2
             else f"DFlash, block {block_size or drafter.config.block_size}" if drafter is not None else "plain decoding")
     samp = "greedy" if sampling.greedy else f"T={sampling.temperature:g}"
     console.print(f"dflash2-mlx chat · {choice.label} · {mode} · {samp}", style="bold", markup=False)
     console.print("/help for commands · Ctrl-C stops an answer · Ctrl-D or /exit leaves", style="dim", markup=False)
-    session.run()
+    try:
+        session.run()
+    finally:
+        if disk is not None:
+            disk.flush(timeout=30)  # the last turns' snapshots: written before the process ends

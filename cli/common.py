@@ -251,3 +251,23 @@ def chat_sampling(model_dir: Path, temp, top_p, top_k, min_p):
         top_k if top_k is not None else int(d.get("top_k", 0)),
         min_p if min_p is not None else float(d.get("min_p", 0.0)),
     )
+
+
+def prompt_cache_location(value: Optional[str]) -> Optional[Path]:
+    """``--prompt-cache-dir``: None -> the default directory; 'none' (or '') -> off."""
+    from dflash2_mlx.disk_cache import default_dir
+
+    if value is None:
+        return default_dir()
+    if value.strip().lower() in ("", "none", "off"):
+        return None
+    path = Path(value).expanduser()
+    if path.exists() and not path.is_dir():
+        fail(f"--prompt-cache-dir {value} is a file, not a directory; give a directory or 'none'")
+    return path
+
+
+def prompt_cache_option():
+    return typer.Option(None, "--prompt-cache-dir", envvar="DFLASH2_PROMPT_CACHE_DIR",
+                        help="Directory of the persistent prompt cache (prefix snapshots that survive restarts). "
+                             "Default: $XDG_CACHE_HOME or ~/.cache, under dflash2-mlx/prompt-cache; 'none' turns it off.")

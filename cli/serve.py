@@ -12,6 +12,8 @@ from typing import List, Optional
 
 import typer
 
+from .common import prompt_cache_option
+
 
 def serve_command(
     model: Optional[str] = typer.Option(None, "--model", "-m", help="Target model: local directory or Hugging Face repo id. Default: the embedded tiny demo pair, when installed."),
@@ -27,13 +29,15 @@ def serve_command(
     served_model_name: List[str] = typer.Option([], "--served-model-name", help="Extra model name(s) clients may use (repeatable); listed by /v1/models."),
     no_draft: bool = typer.Option(False, "--no-draft", help="Serve with plain autoregressive decoding (no drafter)."),
     prefix_cache_gb: float = typer.Option(2.0, "--prefix-cache-gb", help="Memory for prompt-prefix cache snapshots, in GB (0 disables)."),
+    prompt_cache_dir: Optional[str] = prompt_cache_option(),
+    prompt_cache_gb: float = typer.Option(8.0, "--prompt-cache-gb", help="Disk budget of the prompt cache directory, in GB; least recently used snapshots go first."),
     request_timeout: float = typer.Option(600.0, "--request-timeout", help="Seconds a request may take, queue wait included; a generation still running is cut short (finish_reason 'length')."),
     default_max_tokens: int = typer.Option(4096, "--default-max-tokens", help="max_tokens for requests that give none."),
     log_level: str = typer.Option("info", "--log-level", help="critical, error, warning, info or debug."),
 ) -> None:
     """Serve the model over HTTP: OpenAI (/v1/chat/completions, /v1/completions, /v1/models) and
     Anthropic (/v1/messages) APIs, plus /health and /metrics."""
-    from .common import choose_models, fail
+    from .common import choose_models, fail, prompt_cache_location
 
     for name, value, low in (("--max-queue", max_queue, 1), ("--max-concurrent", max_concurrent, 1),
                              ("--default-max-tokens", default_max_tokens, 1),
@@ -46,6 +50,9 @@ def serve_command(
         fail(f"--port must be in 0..65535, got {port}")
     if prefix_cache_gb < 0:
         fail(f"--prefix-cache-gb must be >= 0, got {prefix_cache_gb}")
+    if prompt_cache_gb < 0:
+        fail(f"--prompt-cache-gb must be >= 0, got {prompt_cache_gb}")
+    cache_dir = prompt_cache_location(prompt_cache_dir)
     if request_timeout <= 0:
         fail(f"--request-timeout must be > 0, got {request_timeout}")
     levels = {"critical", "error", "warning", "info", "debug"}
@@ -74,12 +81,13 @@ def serve_command(
         model=choice.target, draft_model=choice.drafter, api_key=api_key, allowed_origins=origins,
         max_queue=max_queue, max_concurrent=max_concurrent, batch_verify=batch_verify, max_context=max_context,
         served_model_names=served_model_name,
-        prefix_cache_gb=prefix_cache_gb, request_timeout=request_timeout, default_max_tokens=default_max_tokens,
+        prefix_cache_gb=prefix_cache_gb, prompt_cache_dir=cache_dir, prompt_cache_gb=prompt_cache_gb,
+        request_timeout=request_timeout, default_max_tokens=default_max_tokens,
         model_name=model_name_for(choice.target),
     )
     worker = Worker(config.model, config.draft_model, max_queue=max_queue, max_concurrent=max_concurrent,
-                    batch_verify=batch_verify,
-                    max_context=max_context, prefix_cache_bytes=int(prefix_cache_gb * 2**30))
+                    batch_verify=batch_verify, max_context=max_context, prefix_cache_bytes=int(prefix_cache_gb * 2**30),
+                    prompt_cache_dir=cache_dir, prompt_cache_bytes=int(prompt_cache_gb * 2**30))
     app = create_app(config, worker)
     server = _Server(uvicorn.Config(app, log_level=log_level.lower(), timeout_graceful_shutdown=15,
                                     timeout_keep_alive=30, lifespan="on"), worker)

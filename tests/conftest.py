@@ -1,5 +1,10 @@
+import os
 import sys
 from pathlib import Path
+
+# No test writes to the user's prompt cache (~/.cache/dflash2-mlx): commands and servers started by
+# tests inherit this; tests of the prompt cache pass --prompt-cache-dir with a temporary directory.
+os.environ["DFLASH2_PROMPT_CACHE_DIR"] = "none"
 
 import dflash2_mlx  # noqa: F401  (first: loads OpenBLAS before mlx.core, as users get it)
 import mlx.core as mx

@@ -129,6 +129,7 @@ def running_server(args: list[str], log: Path, port: Optional[int] = None, wait:
     if nice:
         cmd = ["nice", "-n", "19", *cmd]
     env = dict(os.environ, PYTHONUNBUFFERED="1")
+    env.setdefault("DFLASH2_PROMPT_CACHE_DIR", "none")  # benchmarks too: pass --prompt-cache-dir to use one
     with open(log, "wb") as err:
         proc = subprocess.Popen(cmd, stdout=err, stderr=subprocess.STDOUT, env=env)
     server = ServerProcess(proc, port, log)

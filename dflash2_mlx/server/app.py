@@ -49,6 +49,8 @@ class ServerConfig:
     max_context: Optional[int] = None
     served_model_names: Sequence[str] = ()
     prefix_cache_gb: float = 2.0
+    prompt_cache_dir: Optional[str] = None  # prefix snapshots on disk (the CLI's default: disk_cache.default_dir())
+    prompt_cache_gb: float = 8.0
     request_timeout: float = 600.0
     default_max_tokens: int = 4096
     max_body_bytes: int = MAX_BODY_BYTES
@@ -162,8 +164,9 @@ def create_app(config: ServerConfig, worker: Optional[Worker] = None, metrics: O
     if worker is None:
         worker = Worker(config.model, config.draft_model, max_queue=config.max_queue,
                         max_concurrent=config.max_concurrent, batch_verify=config.batch_verify,
-                        max_context=config.max_context,
-                        prefix_cache_bytes=int(config.prefix_cache_gb * 2**30), metrics=metrics)
+                        max_context=config.max_context, prefix_cache_bytes=int(config.prefix_cache_gb * 2**30),
+                        prompt_cache_dir=config.prompt_cache_dir, prompt_cache_bytes=int(config.prompt_cache_gb * 2**30),
+                        metrics=metrics)
     name = config.model_name or model_name_for(config.model)
     names = [name] + [n for n in config.served_model_names if n and n != name]
     accepted = set(names) | {config.model}

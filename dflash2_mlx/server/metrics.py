@@ -70,6 +70,10 @@ class Metrics:
         self.prefix_cache_entries = 0
         self.prefix_cache_hits = 0
         self.prefix_cache_misses = 0
+        self.prefix_cache_disk_hits = 0
+        self.prefix_cache_too_large = 0
+        self.prompt_cache_disk_bytes = 0
+        self.prompt_cache_disk_entries = 0
         self.queue_depth: Callable[[], int] = lambda: 0
         self.active_requests: Callable[[], int] = lambda: 0
         self.state: Callable[[], str] = lambda: "loading"
@@ -148,6 +152,13 @@ class Metrics:
                 ("prefix_cache_entries", "gauge", "Prompt-prefix cache snapshots.", self.prefix_cache_entries),
                 ("prefix_cache_hits_total", "counter", "Prompts that reused a cached prefix.", self.prefix_cache_hits),
                 ("prefix_cache_misses_total", "counter", "Prompts that found no cached prefix.", self.prefix_cache_misses),
+                ("prefix_cache_disk_hits_total", "counter", "Cached prefixes read back from the prompt cache directory.",
+                 self.prefix_cache_disk_hits),
+                ("prefix_cache_too_large_total", "counter", "Snapshots larger than the in-memory budget (on disk only, if any).",
+                 self.prefix_cache_too_large),
+                ("prompt_cache_disk_bytes", "gauge", "Bytes in the prompt cache directory (all processes).", self.prompt_cache_disk_bytes),
+                ("prompt_cache_disk_entries", "gauge", "Snapshots of this model pair in the prompt cache directory.",
+                 self.prompt_cache_disk_entries),
                 ("uptime_seconds", "gauge", "Seconds since the server started.", time.time() - self.started),
             ]
             for name, kind, help_, value in scalars:

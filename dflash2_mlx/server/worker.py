@@ -4,10 +4,10 @@ Requests wait in a bounded FIFO queue; up to ``max_concurrent`` of them are acti
 take turns, one engine step each (a prefill chunk or a decode cycle), in the order
 ``scheduler.RoundRobin`` gives. Unless ``--batch-verify off``, every active request takes its step
 in each round, and the round's verify passes run as one batched target call where
-``batch_switch.BatchSwitch`` says so (``batched_verify.step_together``; outputs are the same). Each ``Job`` is answered through an asyncio queue on the event
-loop that submitted it: ``("start", None)`` when the worker admits it, ``("event",
-GenerationEvent)`` per engine event, ``("error", APIError)`` on failure, and ``("end", None)``
-last. A job's ``cancel`` event (set on client disconnect, timeout or shutdown) is checked by the
+``batch_switch.BatchSwitch`` says so (``batched_verify.step_together``; outputs are the same).
+Each ``Job`` is answered through an asyncio queue on the event loop that submitted it:
+``("start", None)`` when the worker admits it, ``("event", GenerationEvent)`` per engine event,
+``("error", APIError)`` on failure, and ``("end", None)`` last. A job's ``cancel`` event (set on client disconnect, timeout or shutdown) is checked by the
 engine between prefill chunks and between cycles.
 """
 
@@ -79,6 +79,8 @@ class Worker:
         batch_verify: str = "auto",
         max_context: Optional[int] = None,
         prefix_cache_bytes: int = 2 * 2**30,
+        prompt_cache_dir: Optional[Path] = None,
+        prompt_cache_bytes: int = 8 * 2**30,
         metrics: Optional[Metrics] = None,
         on_fatal: Optional[Callable[[str], None]] = None,
         loader: Optional[Callable[[], tuple]] = None,
@@ -89,6 +91,7 @@ class Worker:
         self.batch_switch = BatchSwitch(batch_verify)  # batch a round's verify passes, or take turns
         self.max_context_limit = max_context
         self.prefix_cache_bytes = prefix_cache_bytes
+        self.prompt_cache_dir, self.prompt_cache_bytes = prompt_cache_dir, prompt_cache_bytes
         self.metrics = metrics or Metrics()
         self.on_fatal = on_fatal
         self._loader = loader
@@ -222,6 +225,8 @@ class Worker:
                     idle = not self._queue and not len(self._active)
                 if idle:
                     self._release_memory()
+        if self.prefix_cache is not None and self.prefix_cache.disk is not None:
+            self.prefix_cache.disk.flush(timeout=10)  # snapshots still queued reach the disk
 
     def _load(self) -> None:
         if self._loader is not None:  # tests: inject already-built objects
@@ -235,6 +240,7 @@ class Worker:
                 validate_pair(self.target.runner, self.drafter.config, self.target.name)
         import mlx.core as mx
 
+        from dflash2_mlx.disk_cache import open_disk_cache
         from dflash2_mlx.loading import freeze_loaded_objects
         from dflash2_mlx.prefix_cache import PrefixCache
 
@@ -244,8 +250,11 @@ class Worker:
         self.max_context = min(limits) if limits else None
         self.vocab_size = runner.vocab_size or len(self.tokenizer)
         self.defaults = _generation_defaults(self.target.path)
-        if self.prefix_cache_bytes > 0:
-            self.prefix_cache = PrefixCache(max_bytes=self.prefix_cache_bytes)
+        disk = None
+        if self.prompt_cache_dir is not None and self.prompt_cache_bytes > 0:
+            disk = open_disk_cache(self.prompt_cache_dir, self.prompt_cache_bytes, self.target, self.drafter)
+        if self.prefix_cache_bytes > 0 or disk is not None:
+            self.prefix_cache = PrefixCache(max_bytes=self.prefix_cache_bytes, disk=disk)
         freeze_loaded_objects()  # the loaded models live as long as the server
         mx.clear_cache()
         self.metrics.baseline_memory = mx.get_active_memory()
@@ -364,6 +373,9 @@ class Worker:
             if pc is not None:
                 m.prefix_cache_bytes, m.prefix_cache_entries = pc.nbytes, len(pc)
                 m.prefix_cache_hits, m.prefix_cache_misses = pc.hits, pc.misses
+                m.prefix_cache_disk_hits, m.prefix_cache_too_large = pc.disk_hits, pc.too_large
+                if pc.disk is not None:
+                    m.prompt_cache_disk_bytes, m.prompt_cache_disk_entries = pc.disk.nbytes, len(pc.disk)
 
 
 def _generation_defaults(path: Path) -> dict:
