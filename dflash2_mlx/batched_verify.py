@@ -74,13 +74,14 @@ def verify_one(runner: TargetRunner, request: VerifyRequest) -> VerifyResult:
 def verify_batch(runner: TargetRunner, requests: Sequence[VerifyRequest]) -> list[VerifyResult]:
     """The requests' verify passes as one target pass -> one result per request, in order, each
     equal to ``verify_one``'s within float rounding. The requests must come from sequences of
-    the same target and drafter (same taps); block sizes and context lengths may differ."""
+    the same target and drafter (same taps); block sizes (1 included: a plain step) and context
+    lengths may differ, and so may whether they record for rollback."""
     if len(requests) == 1:
         return [verify_one(runner, requests[0])]
     if not requests:
         return []
-    taps, record = requests[0].taps, requests[0].record
-    if any(r.taps != taps or r.record != record for r in requests):
+    taps = requests[0].taps
+    if any(r.taps != taps for r in requests):
         raise ValueError("a batched verify needs requests of one target and drafter (the same taps)")
     if len({id(r.cache) for r in requests}) != len(requests):
         raise ValueError("each request of a batched verify needs its own target cache")
@@ -90,16 +91,17 @@ def verify_batch(runner: TargetRunner, requests: Sequence[VerifyRequest]) -> lis
     tokens = mx.concatenate([r.tokens if r.size == width else mx.pad(r.tokens, [(0, 0), (0, width - r.size)])
                              for r in requests]).astype(mx.int32)
     batch = _BatchCache([r.cache for r in requests], sizes)
-    recorded = [] if record else None
+    # Gated DeltaNet layers always record here: each sequence's own state is cut out of them
+    recorded = [] if "gdn" in batch.kinds else None
     logits, features = runner(tokens, batch, taps, recorded)
     results = []
     for i, (request, size) in enumerate(zip(requests, sizes)):
-        own = _own_recurrent_inputs(batch, recorded, i, size) if record else None
+        own = _own_recurrent_inputs(batch, recorded, i, size) if recorded is not None else None
         request.cache.advance(size)
         results.append(VerifyResult(
             logits[i : i + 1, :size],
             features[i : i + 1, :size] if features is not None else None,
-            own,
+            own if request.record else None,
         ))
     return results
 

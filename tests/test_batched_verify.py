@@ -227,3 +227,19 @@ def test_sampling_under_batched_verify_draws_what_taking_turns_draws(kind, hybri
         outputs[batch] = dict(tokens)
     assert outputs[True] == outputs[False]
     assert all(len(outputs[True][i]) == s.max_tokens for i, s in enumerate(settings))
+
+
+def test_a_plain_step_batches_with_blocks(hybrid_target):
+    """A one-row pass that records nothing (a plain step between speculative cycles) in the same
+    batch as blocks that record: every cache still ends as its own pass leaves it."""
+    _, model = hybrid_target
+    runner = TargetRunner(model)
+    prompts, blocks, records = [[1, 2, 3], [4] * 30, [7, 7]], [[5], [6, 1, 2, 3, 4, 5], [9, 9, 9]], [False, True, True]
+    solo_caches, batch_caches = _prefilled(runner, prompts), _prefilled(runner, prompts)
+    batched = verify_batch(runner, [VerifyRequest(mx.array([b]), c, TAPS, r)
+                                    for b, c, r in zip(blocks, batch_caches, records)])
+    for block, record, result, solo_cache, batch_cache in zip(blocks, records, batched, solo_caches, batch_caches):
+        solo = verify_one(runner, VerifyRequest(mx.array([block]), solo_cache, TAPS, record))
+        assert (result.recorded is None) == (solo.recorded is None) == (not record)
+        np.testing.assert_allclose(np.array(result.logits), np.array(solo.logits), atol=ATOL)
+        _assert_caches_equal(batch_cache, solo_cache, atol=ATOL)

@@ -4,10 +4,10 @@ Requests wait in a bounded FIFO queue; up to ``max_concurrent`` of them are acti
 take turns, one engine step each (a prefill chunk or a decode cycle), in the order
 ``scheduler.RoundRobin`` gives. Unless ``--batch-verify off``, every active request takes its step
 in each round, and the round's verify passes run as one batched target call where
-``batch_switch.BatchSwitch`` says so (``batched_verify.step_together``; outputs are the same). Each ``Job`` is answered through an asyncio queue on the event
-loop that submitted it: ``("start", None)`` when the worker admits it, ``("event",
-GenerationEvent)`` per engine event, ``("error", APIError)`` on failure, and ``("end", None)``
-last. A job's ``cancel`` event (set on client disconnect, timeout or shutdown) is checked by the
+``batch_switch.BatchSwitch`` says so (``batched_verify.step_together``; outputs are the same).
+Each ``Job`` is answered through an asyncio queue on the event loop that submitted it:
+``("start", None)`` when the worker admits it, ``("event", GenerationEvent)`` per engine event,
+``("error", APIError)`` on failure, and ``("end", None)`` last. A job's ``cancel`` event (set on client disconnect, timeout or shutdown) is checked by the
 engine between prefill chunks and between cycles.
 """
 
