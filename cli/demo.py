@@ -214,9 +214,17 @@ def demo_command(
         rec.print(frame(spec, ar, end, True, rec, height, identical))
         try:
             if export.suffix.lower() == ".svg":
-                rec.save_svg(str(export), title=f"dflash2-mlx demo: {choice.label}")
+                export.write_text(spaces_kept(rec.export_svg(title=f"dflash2-mlx demo: {choice.label}")),
+                                  encoding="utf-8")
             else:
                 rec.save_html(str(export))
         except OSError as e:
             fail(f"cannot write {export}: {e.strerror or e}")
         console.print(f"[dim]final frame saved to {export}[/dim]")
+
+
+def spaces_kept(svg: str) -> str:
+    """rich's SVG puts each styled run in its own <text>, starting or ending with a (non-breaking)
+    space where a token does; SVG renderers strip those unless told to keep whitespace, which
+    glues tokens together ("notisinstance(other ,"). Keep it, as the terminal does."""
+    return svg.replace("<svg ", '<svg xml:space="preserve" style="white-space: pre" ', 1)

@@ -133,8 +133,8 @@ def preload() -> str:
                 status = f"{NAMES[name]} ({path})"
                 break
         else:
-            wanted = NAMES[choice] if choice else "no optimised BLAS"
-            status = f"MLX's reference BLAS: {wanted} found (pip install mkl, or apt-get install libopenblas0-pthread)"
+            missing = f"{NAMES[choice]} not found" if choice else "no optimised BLAS found"
+            status = f"MLX's reference BLAS: {missing} (pip install mkl, or apt-get install libopenblas0-pthread)"
     return status
 
 

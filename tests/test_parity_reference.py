@@ -18,8 +18,9 @@ DFlash 2 selector: greedy paths must equal ``propose(..., temperature=0)``; for 
 reference draws internally, so for the path it drew we make our selector walk the same path and
 compare the proposal rows q as maps token id -> probability (candidates come in no fixed order).
 
-torch and dflash are imported unconditionally: CI installs them (`pip install torch==2.13.0
-transformers` and `pip install --no-deps dflash==0.1.0`), so a missing one must fail, not skip.
+Without the parity extra (torch, transformers) and z-lab's `dflash` the module skips; CI installs
+them (`pip install -e '.[test,parity]'` and `pip install --no-deps dflash==0.1.0`) and `.ci/run`
+imports them before the tests, so there a missing one fails instead of skipping.
 """
 
 from __future__ import annotations
@@ -30,7 +31,10 @@ import itertools
 import mlx.core as mx
 import numpy as np
 import pytest
-import torch
+
+torch = pytest.importorskip("torch", reason="needs the parity extra: pip install -e '.[parity]' && pip install --no-deps dflash==0.1.0")
+pytest.importorskip("dflash.model", reason="needs the parity extra: pip install -e '.[parity]' && pip install --no-deps dflash==0.1.0")
+
 from mlx.utils import tree_flatten
 from safetensors.numpy import load_file
 

@@ -26,7 +26,8 @@ sum(x^2) like transformers' l2norm). Making q = k + 0.3 * noise (q and k project
 taps) keeps every code path, keeps q and k distinguishable (a q/k swap would show), and brings
 both float32 implementations to <= 2e-5 of float64 (6 seeds), so 1e-4 has a 5x margin.
 
-torch is imported unconditionally: CI installs it, so a missing torch must fail, not skip.
+Without the parity extra (torch, transformers) the module skips; CI installs it and `.ci/run`
+imports torch and transformers before the tests, so there a missing one fails instead of skipping.
 """
 
 from __future__ import annotations
@@ -37,7 +38,10 @@ import json
 import mlx.core as mx
 import numpy as np
 import pytest
-import torch
+
+torch = pytest.importorskip("torch", reason="needs the parity extra: pip install -e '.[parity]' && pip install --no-deps dflash==0.1.0")
+pytest.importorskip("transformers", reason="needs the parity extra: pip install -e '.[parity]' && pip install --no-deps dflash==0.1.0")
+
 from transformers import Qwen3_5Config, Qwen3_5ForConditionalGeneration, Qwen3Config, Qwen3ForCausalLM
 
 import tiny

@@ -12,7 +12,6 @@ import json
 import mlx.core as mx
 import numpy as np
 import pytest
-import torch
 from mlx.utils import tree_flatten
 from safetensors.numpy import load_file
 
@@ -448,6 +447,8 @@ def test_ablations_stay_frozen_and_dflash1_has_the_v1_layout(target, sequences, 
     w = load_file(str(v1 / "model.safetensors"))
     assert not any("conv" in n or "selector" in n for n in w)
     assert load_drafter(str(v1)).config.architecture == DFLASH1
+    torch = pytest.importorskip("torch", reason="needs the parity extra: pip install -e '.[parity]' && pip install --no-deps dflash==0.1.0")
+    pytest.importorskip("dflash.model", reason="z-lab's reference: pip install --no-deps dflash==0.1.0")
     from dflash.model import DFlashDraftModel
 
     ref, info = DFlashDraftModel.from_pretrained(str(v1), torch_dtype=torch.float32, output_loading_info=True)
@@ -535,6 +536,8 @@ def test_checkpoint_is_the_real_layout_and_loads_identically(target, trained):
 
 
 def test_zlab_reference_loads_the_checkpoint(trained):
+    torch = pytest.importorskip("torch", reason="needs the parity extra: pip install -e '.[parity]' && pip install --no-deps dflash==0.1.0")
+    pytest.importorskip("dflash.model", reason="z-lab's reference: pip install --no-deps dflash==0.1.0")
     from dflash.model import DFlash2DraftModel
 
     ref, info = DFlash2DraftModel.from_pretrained(str(trained), torch_dtype=torch.float32, output_loading_info=True)
