@@ -89,6 +89,9 @@ class CostTable:
             if b != block_size:
                 row[b] *= drift
 
+    def measured(self, block_size: int, context_len: int) -> bool:
+        return block_size in self.seconds.get(bucket(context_len), {})
+
     def estimate(self, block_size: int, context_len: int) -> Optional[float]:
         """The cost at this bucket; unmeasured there, the nearest bucket's scaled by a size both
         measured; sizes never measured anywhere are interpolated between measured ones."""
@@ -317,8 +320,12 @@ class BreakEvenController:
             self.plan = (b, ratio, bucket(context_len), e, cost, step)
         b, ratio, _, e, cost, step = self.plan
         steps = f"{cost / step:.2f}" if step else "?"
-        if ratio > 1.0 and self.since_plain >= PLAIN_REFRESH and not self.refresh:
-            self.refresh = PLAIN_RUN  # a plain step's cost is only a guess while speculating: time a few
+        stale = self.since_plain >= PLAIN_REFRESH or not self.costs.measured(PLAIN, context_len)
+        if ratio > 1.0 and stale and not self.refresh:
+            # a plain step's cost is only a guess while speculating (the calibration's, or another
+            # context bucket's scaled like a block's, though attention over the context grows
+            # with the rows): time a few
+            self.refresh = PLAIN_RUN
         if ratio > 1.0 and self.refresh:
             self.refresh -= 1
             self.since_plain = 0

@@ -144,3 +144,17 @@ def test_a_plain_step_overestimated_by_calibration_is_re_timed_while_speculating
     sizes, tokens, seconds = _simulate(controller, 0.3, 600, 1.0, 0.1, 2.4)
     assert sizes[:20].count(PLAIN) < 5 and sizes[-200:].count(PLAIN) > 190
     assert controller.summary()["last_switch"].startswith("to plain")
+
+
+def test_at_a_longer_context_a_plain_step_is_timed_before_blocks_are_trusted():
+    # calibrated at short context, where blocks pay; at 3000 tokens a block costs 4x more but a
+    # plain step only 1.2x: the controller times plain steps there and stops speculating
+    profile = _profile(step=1.0, per_row=0.1, base=1.0)
+    controller = BreakEvenController(profile, MAX_BLOCK, greedy=True, temperature=0.0)
+    _simulate(controller, 0.6, 50, 1.0, 0.1, 1.0)
+    chosen = []
+    for _ in range(60):
+        b = controller.choose(3000)
+        chosen.append(b)
+        controller.observe(b, 1 if b > PLAIN else 0, 1.2 if b == PLAIN else 4 * (1 + 0.1 * b), 3000)
+    assert chosen[:3].count(PLAIN) >= 1 and chosen[-20:].count(PLAIN) >= 19
