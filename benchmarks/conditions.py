@@ -104,6 +104,8 @@ def main(argv=None) -> int:
                 cell = {"pair": name, "temperature": temperature, "prompt": prompt_name, "modes": rows}
                 report["cells"].append(cell)
                 print(_line(cell), flush=True)
+                if args.json:  # after every cell: a long run interrupted keeps what it measured
+                    args.json.write_text(json.dumps(report, indent=1) + "\n")
     print()
     print(markdown(report))
     if args.json:

@@ -19,7 +19,9 @@ distribution, whatever its size), so a policy only trades speed.
   the generator (from after the ``yield`` to the end of its bookkeeping), never across a yield, so
   time the consumer spends elsewhere (other requests of a scheduler, printing) never counts.
 - When no block beats a plain step, it decodes plainly and probes with an occasional speculative
-  cycle, so that it notices when acceptance recovers. Probes are paid from a budget: a probe is
+  cycle, so that it notices when acceptance recovers; symmetrically, while speculating it re-times
+  a plain step with a few plain steps every ``PLAIN_REFRESH`` cycles (a plain step's cost is
+  otherwise only the calibration's, which a noisy machine can get wrong). Probes are paid from a budget: a probe is
   allowed only while the time all probes cost beyond the plain steps they replace (measured, in
   the worst case that nothing is accepted) stays under ``PROBE_BUDGET`` of this request's decode
   time so far, including the probe's own predicted excess. The bound can be exceeded only by the
@@ -43,6 +45,8 @@ SMOOTHING = 1.0  # cycles' worth of pull of each position's rate towards the pre
 REQUEST_DECAY = 0.85  # per cycle: a request's acceptance follows its text (code, prose, a tool call)
 PAIR_DECAY = 0.98  # per cycle: the pair's history spans a few requests
 COST_DECAY = 0.8  # per timed cycle of that size and bucket
+PLAIN_REFRESH = 48  # speculative cycles after which a few plain steps re-time a plain step (symmetric to probes)
+PLAIN_RUN = 3  # plain steps per refresh: the later ones are timed in their steady state
 SPEED_SHARE = 0.5  # how much of a size's cost change the other sizes of its bucket follow
 OUTLIER = 3.0  # a cycle timed above this many times its estimate (a page fault, a GC) counts as this
 
@@ -84,6 +88,9 @@ class CostTable:
         for b in row:
             if b != block_size:
                 row[b] *= drift
+
+    def measured(self, block_size: int, context_len: int) -> bool:
+        return block_size in self.seconds.get(bucket(context_len), {})
 
     def estimate(self, block_size: int, context_len: int) -> Optional[float]:
         """The cost at this bucket; unmeasured there, the nearest bucket's scaled by a size both
@@ -282,8 +289,10 @@ class BreakEvenController:
         self.last_switch: Optional[str] = None
         self.probes: deque[bool] = deque()  # per chosen, not yet observed cycle: is it a probe
         self.tally = _Tally()
-        self.plan: Optional[tuple[int, float]] = None  # (best block, its rate / plain rate), cached
+        self.plan: Optional[tuple] = None  # (best block, its rate / plain rate, bucket, ...), cached
         self.cycles = 0
+        self.since_plain = 0  # cycles since a plain step was timed
+        self.refresh = 0  # plain steps still to run to re-time a plain step
 
     # -- the decision ---------------------------------------------------------------------------
 
@@ -311,6 +320,17 @@ class BreakEvenController:
             self.plan = (b, ratio, bucket(context_len), e, cost, step)
         b, ratio, _, e, cost, step = self.plan
         steps = f"{cost / step:.2f}" if step else "?"
+        stale = self.since_plain >= PLAIN_REFRESH or not self.costs.measured(PLAIN, context_len)
+        if ratio > 1.0 and stale and not self.refresh:
+            # a plain step's cost is only a guess while speculating (the calibration's, or another
+            # context bucket's scaled like a block's, though attention over the context grows
+            # with the rows): time a few
+            self.refresh = PLAIN_RUN
+        if ratio > 1.0 and self.refresh:
+            self.refresh -= 1
+            self.since_plain = 0
+            self.probes.append(False)
+            return PLAIN
         if ratio > 1.0:
             self._switch("speculative", f"block {b} expects {e:.2f} tokens per {steps} plain steps"
                          f" ({ratio:.2f}x plain)", context_len)
@@ -334,6 +354,7 @@ class BreakEvenController:
         self.cycles += 1
         self.decode_seconds += seconds
         self.costs.observe(block_size, context_len, seconds)
+        self.since_plain = 0 if block_size == PLAIN else self.since_plain + 1
         if block_size > PLAIN:
             self.mine.observe(block_size, accepted, REQUEST_DECAY)
             self.pair.observe(block_size, accepted, PAIR_DECAY)
