@@ -11,8 +11,8 @@ distribution, whatever its size), so a policy only trades speed.
 - A block of size b emits E(b) = 1 + sum over i < b of P(drafts 1..i all accepted). P is the
   product of per-position conditional acceptance rates c_j = P(draft j accepted | 1..j-1 were),
   counted in this request with exponential forgetting and shrunk towards the pair's recent
-  history (shared by every request of the same loaded pair and temperature); positions never
-  tested take the last tested one's rate.
+  history (shared by every request of the same loaded pair and temperature); each position is
+  also pulled towards the one before it, so one not tested lately follows those that were.
 - Costs are seconds per cycle of each size (1 = a plain step) per context-length bucket, timed by
   the loop itself: a short calibration run at the pair's first use times real cycles of every
   size, and every later cycle refines its own entry. A cycle is timed within one resumption of
