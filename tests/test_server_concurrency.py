@@ -101,6 +101,7 @@ def test_concurrent_clients_get_their_solo_outputs(server):
     for prompt, body in got:
         assert body["choices"][0]["text"] == solo[prompt], prompt
         assert body["usage"]["completion_tokens"] == dict(zip(prompts, lengths))[prompt]
+        assert body["speculative"]["controller"]["policy"] == "auto"  # the default: the break-even controller
     assert peak["active"] >= 2, "requests never decoded at the same time"
     m = metrics(server.base)
     assert m["dflash2_mlx_active_requests"] == 0 and m["dflash2_mlx_queue_depth"] == 0
