@@ -502,9 +502,9 @@ def speculative_steps(
         sub-generator: the pass is asked of the driver) -> (features [1, bs, F], GDN inputs for rollback, processed logits [bs, V], accepted [1], bonus [1])."""
         draft, candidates, q = drafted
         verify_in = mx.concatenate([anchor, draft])[None]
-        # the driver runs the pass: alone, or batched with other sequences' passes (which need
-        # every request of a batch to record alike: a plain step records its one row too)
-        verified = yield VerifyRequest(verify_in, cache, taps, record=hybrid)
+        # the driver runs the pass: alone, or batched with other sequences' passes; a plain step
+        # keeps its row whatever follows, so it records nothing for a rollback
+        verified = yield VerifyRequest(verify_in, cache, taps, record=hybrid and draft.shape[0] > 0)
         verify_logits, verify_features, recorded = verified.logits[0], verified.features, verified.recorded
         if settings.logits_processors:  # row i sees committed + d1..di, as plain decoding did
             verify_logits = apply_processors(settings.logits_processors, mx.concatenate([seen, draft]), verify_logits)
