@@ -92,22 +92,21 @@ class BuildPlan:
     sample_temperature: float = 0.7
 
 
-FULL = BuildPlan(name="full")
-# The recipe for the next build (trainer improvements measured in docs/embedded-pair.md; not yet
-# the committed pair): deduplicated data, twice the chat examples with plain-English requests,
-# a drafter distilled on the target's whole distribution over greedy and sampled continuations.
-NEXT = BuildPlan(
-    name="next", deduplicate=True, chat_percent=40, chat_max_lines=30, chat_requests=True,
+# The committed pair: deduplicated data, 40% of the functions as chat examples (with plain-English
+# requests) so answers end their turn, 3 M target tokens (1500 steps: ~1600 tok/s on a quiet
+# 2-core machine), and a drafter distilled on the target's whole distribution over greedy and
+# sampled continuations (so it drafts for chat temperatures too).
+FULL = BuildPlan(
+    name="full", target_steps=1500, target_warmup=50,
+    deduplicate=True, chat_percent=40, chat_max_lines=30, chat_requests=True,
     drafter_sequences=1536, drafter_sampled_sequences=1536, drafter_options={"soft_target_weight": 0.5},
 )
-QUICK = BuildPlan(
-    name="quick", target_steps=12, target_warmup=3, heldout_eval_sequences=16,
-    drafter_sequences=32, prefix_len=32, continuation_len=32, drafter_steps=10,
+# The recipe of the previous committed pair (greedy continuations, labels only, 500 target steps).
+PREVIOUS = BuildPlan(name="previous")
+QUICK = dataclasses.replace(
+    FULL, name="quick", target_steps=12, target_warmup=3, heldout_eval_sequences=16,
+    drafter_sequences=32, drafter_sampled_sequences=32, prefix_len=32, continuation_len=32, drafter_steps=10,
     num_prompts=4, eval_max_tokens=32,
-)
-QUICK_NEXT = dataclasses.replace(
-    QUICK, name="quick-next", deduplicate=True, chat_percent=40, chat_max_lines=30, chat_requests=True,
-    drafter_sampled_sequences=32, drafter_options={"soft_target_weight": 0.5},
 )
 
 
@@ -653,8 +652,7 @@ def build(plan: BuildPlan, out: Path, work: Path, target_only: bool = False) -> 
         "description": "Tiny code-completion demo pair (Qwen3.5-architecture hybrid target + DFlash 2 drafter) "
                        "trained on the Python standard library; for demos and tests, not a useful model.",
         "build": plan.name,
-        "command": "python -m dflash2_mlx.training.build_demo_pair" + {"quick": " --quick", "next": " --plan next",
-                                                                        "quick-next": " --quick --plan next"}.get(plan.name, ""),
+        "command": "python -m dflash2_mlx.training.build_demo_pair" + {"quick": " --quick", "previous": " --plan previous"}.get(plan.name, ""),
         "seed": plan.seed,
         "plan": {k: v for k, v in dataclasses.asdict(plan).items()},
         "python_version": sys.version.split()[0],
@@ -847,8 +845,8 @@ def main(argv: Optional[list[str]] = None) -> int:
                     help="assets directory to write (default: dflash2_mlx/assets; with --quick: a new temp dir)")
     ap.add_argument("--work", type=Path, default=None, help="keep intermediate files here (default: a temp dir)")
     ap.add_argument("--quick", action="store_true", help="tiny step counts: a smoke test in a few minutes")
-    ap.add_argument("--plan", choices=["full", "next"], default="full",
-                    help="full: the committed pair's recipe; next: the improved recipe (docs/embedded-pair.md)")
+    ap.add_argument("--plan", choices=["full", "previous"], default="full",
+                    help="full: the committed pair's recipe; previous: the recipe of the pair before it")
     ap.add_argument("--target-only", action="store_true", help="stop after the target (no drafter)")
     ap.add_argument("--verify", action="store_true", help="compare the assets and the stdlib with MANIFEST.json")
     ap.add_argument("--check", action="store_true", help="rebuild in a temp dir and compare sha256s with MANIFEST.json")
@@ -856,7 +854,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     ap.add_argument("--evaluate-defaults", action="store_true",
                     help="measure the pair in --out at its generation_config.json defaults and record it in MANIFEST.json")
     args = ap.parse_args(argv)
-    plan = {(True, "full"): QUICK, (True, "next"): QUICK_NEXT, (False, "full"): FULL, (False, "next"): NEXT}[args.quick, args.plan]
+    plan = QUICK if args.quick else {"full": FULL, "previous": PREVIOUS}[args.plan]
     out = args.out
     if out is None:
         out = Path(tempfile.mkdtemp(prefix="dflash2-quick-")) if (args.quick and not (args.verify or args.check or args.card)) else default_assets_dir()
