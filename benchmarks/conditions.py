@@ -1,7 +1,7 @@
 """Where does speculation pay? One table over pair x temperature x prompt x mode.
 
     python benchmarks/conditions.py [--draft-model D [--model M]] [--limit 4] [--max-tokens 96]
-                                    [--long 3000] [--temps 0,0.7,1.0] [--json out.json]
+                                    [--long 3000] [--temps 0,0.7,1.0] [--repeats 3] [--json out.json]
 
 - pair: the embedded pair, plus the pair given by --model / --draft-model (--draft-model alone:
   the embedded target with that drafter, e.g. a weaker one from `dflash2-mlx train-drafter`);
@@ -10,11 +10,15 @@
   standard-library text of about --long tokens, fed as is;
 - mode: plain decoding, the fixed loop at block 2 / 4 / 8, and auto (the break-even controller).
 
-Per cell: decode tok/s (mean over the prompts), acceptance length (cycle tokens / speculative
-cycles) and speedup = the mode's tok/s / plain decoding's tok/s, measured in the same run: for
-every prompt the modes run back to back, in an order that rotates from prompt to prompt, after an
-untimed warm-up of every mode (which also calibrates the controller and gives it the pair's
-history at that temperature, as any earlier request would).
+Per cell: decode tok/s, acceptance length (cycle tokens / speculative cycles) and speedup over
+plain decoding, measured in the same run. After an untimed warm-up of every mode (which also
+calibrates the controller and gives it the pair's history at that temperature, as any earlier
+request would), ``--repeats`` rounds run every mode on every prompt back to back, in an order that
+rotates from run to run. A round's speedup is the mode's decode tok/s over plain decoding's in
+that round (tok/s: the round's tokens over its decode seconds); the cell reports the median over
+the rounds, and its spread (lowest, highest). On a shared machine one run of a second or two can
+be 30% off in either direction; pairing each mode with the plain runs of its own round and taking
+the median is what makes a 3% bar measurable.
 """
 
 from __future__ import annotations
@@ -40,28 +44,42 @@ def run_mode(target, drafter, ids, mode: str, temperature: float, max_tokens: in
     return collect(generate_speculative(target.runner, drafter, ids, settings))[1]
 
 
-def cell_rows(target, drafter, prompts: list[list[int]], temperature: float, max_tokens: int) -> dict:
-    """Every mode on every prompt, interleaved -> per mode: tok/s, acceptance, speedup, controller."""
+def cell_rows(target, drafter, prompts: list[list[int]], temperature: float, max_tokens: int,
+              repeats: int = 3) -> dict:
+    """Every mode on every prompt, ``repeats`` rounds, interleaved -> per mode: tok/s, acceptance,
+    speedup (median over rounds of the same round's ratio to plain) and its spread, controller."""
+    import statistics
+
     from dflash2_mlx.bench import merge_controller
 
     modes = [m for m in MODES if m == "plain" or m == "auto" or int(m) <= drafter.config.block_size]
     for mode in modes:  # warm-up
         run_mode(target, drafter, prompts[0], mode, temperature, min(max_tokens, 32), 0)
-    runs = {m: [] for m in modes}
-    for i, ids in enumerate(prompts):
-        order = modes[i % len(modes):] + modes[: i % len(modes)]
-        for mode in order:
-            runs[mode].append(run_mode(target, drafter, ids, mode, temperature, max_tokens, seed=i))
-    plain_tps = sum(s.decode_tps for s in runs["plain"]) / len(prompts)
+    runs = {m: [[] for _ in range(repeats)] for m in modes}  # mode -> round -> stats per prompt
+    turn = 0
+    for r in range(repeats):
+        for i, ids in enumerate(prompts):
+            order = modes[turn % len(modes):] + modes[: turn % len(modes)]
+            turn += 1
+            for mode in order:
+                runs[mode][r].append(run_mode(target, drafter, ids, mode, temperature, max_tokens, seed=i))
+
+    def tps(stats) -> float:  # a round's decode tokens over its decode seconds
+        seconds = sum(s.decode_seconds for s in stats)
+        return sum(max(s.generation_tokens - 1, 0) for s in stats) / seconds if seconds else 0.0
+
+    plain = [tps(rnd) for rnd in runs["plain"]]
     out = {}
-    for mode, stats in runs.items():
-        tps = sum(s.decode_tps for s in stats) / len(stats)
-        cycles = sum(s.verify_steps for s in stats)
+    for mode, rounds in runs.items():
+        ratios = [tps(rnd) / p if p else 0.0 for rnd, p in zip(rounds, plain)]
+        flat = [s for rnd in rounds for s in rnd]
+        cycles = sum(s.verify_steps for s in flat)
         out[mode] = {
-            "decode_tps": tps,
-            "acceptance_length": sum(s.cycle_tokens for s in stats) / cycles if cycles else 1.0,
-            "speedup": tps / plain_tps if plain_tps else None,
-            "controller": merge_controller([s.controller for s in stats]) if mode == "auto" else None,
+            "decode_tps": statistics.median(tps(rnd) for rnd in rounds),
+            "acceptance_length": sum(s.cycle_tokens for s in flat) / cycles if cycles else 1.0,
+            "speedup": statistics.median(ratios),
+            "speedup_range": [min(ratios), max(ratios)],
+            "controller": merge_controller([s.controller for s in flat]) if mode == "auto" else None,
         }
     return out
 
@@ -74,6 +92,7 @@ def main(argv=None) -> int:
     ap.add_argument("--max-tokens", type=int, default=96)
     ap.add_argument("--long", type=int, default=3000, help="tokens of the long prompt")
     ap.add_argument("--temps", default="0,0.7,1.0")
+    ap.add_argument("--repeats", type=int, default=3, help="rounds of every mode on every prompt (median)")
     ap.add_argument("--json", type=Path, default=None)
     ap.add_argument("--skip-embedded", action="store_true", help="only the --draft-model pair")
     args = ap.parse_args(argv)
@@ -100,7 +119,7 @@ def main(argv=None) -> int:
         }
         for temperature in temps:
             for prompt_name, prompts in prompt_sets.items():
-                rows = cell_rows(target, drafter, prompts, temperature, args.max_tokens)
+                rows = cell_rows(target, drafter, prompts, temperature, args.max_tokens, args.repeats)
                 cell = {"pair": name, "temperature": temperature, "prompt": prompt_name, "modes": rows}
                 report["cells"].append(cell)
                 print(_line(cell), flush=True)
@@ -134,6 +153,8 @@ def markdown(report: dict) -> str:
                  f"{100 * share.get('probe', 0):.0f}% probe; blocks " + " ".join(f"{b}:{n}" for b, n in c.get("block_sizes", {}).items()))
         cells = [cell["pair"], f"{cell['temperature']:g}", cell["prompt"], f"{rows['plain']['decode_tps']:.0f}"]
         cells += [f"{rows[m]['speedup']:.2f}x ({rows[m]['acceptance_length']:.2f})" if m in rows else "–" for m in MODES[1:]]
+        lo, hi = rows["auto"].get("speedup_range", (auto, auto))
+        cells[-1] += f" [{lo:.2f}–{hi:.2f}]"
         cells += [target_line, chose]
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)

@@ -54,11 +54,30 @@ def template_lengths(target: Path, messages: list[dict]) -> list[int]:
     return out
 
 
-def test_two_turns_prefill_only_new_tokens_and_save_load(embedded_pair, tmp_path):
+@pytest.fixture
+def endless_pair(embedded_pair, tmp_path):
+    """The embedded pair with its target's end tokens moved to the drafter's mask token, which the
+    target never predicts: its answers never end by themselves, whatever the weights (a test that
+    needs an answer to run until it is stopped must not rely on a model happening not to stop)."""
+    import shutil
+
+    target, drafter = embedded_pair
+    copy = tmp_path / "endless-target"
+    shutil.copytree(target, copy)
+    mask = json.loads((Path(drafter) / "config.json").read_text())["dflash_config"]["mask_token_id"]
+    for name in ("config.json", "generation_config.json"):
+        cfg = json.loads((copy / name).read_text())
+        cfg["eos_token_id"] = [mask]
+        cfg.get("text_config", {})["eos_token_id"] = mask
+        (copy / name).write_text(json.dumps(cfg))
+    return ["--model", str(copy), "--draft-model", str(drafter)]
+
+
+def test_two_turns_prefill_only_new_tokens_and_save_load(embedded_pair, endless_pair, tmp_path):
     target, _ = embedded_pair
-    # no --model: the embedded pair; greedy, so no 16-token answer closes its turn and the cached
+    # answers that never end, so the 16-token answer does not close its turn and the cached
     # prefix of the next turn is exactly the previous prompt (a closed turn is cached with it)
-    child = spawn("--max-tokens", "16", "--temp", "0")
+    child = spawn(*endless_pair, "--max-tokens", "16", "--temp", "0")
     try:
         first = turn(child, "hello")
         assert first["cached"] == 0 and first["prefilled"] == first["prompt"]
@@ -105,8 +124,8 @@ def test_two_turns_prefill_only_new_tokens_and_save_load(embedded_pair, tmp_path
     assert child.exitstatus == 0
 
 
-def test_ctrl_c_stops_the_answer_and_the_chat_goes_on(embedded_pair):
-    child = spawn("--max-tokens", "100000", "--temp", "0")  # the embedded pair, greedy: it loops, never ends
+def test_ctrl_c_stops_the_answer_and_the_chat_goes_on(endless_pair):
+    child = spawn(*endless_pair, "--max-tokens", "100000", "--temp", "0")
     try:
         child.sendline("write forever")
         child.expect_exact("write forever")  # the terminal's echo

@@ -119,6 +119,28 @@ def test_chat_examples_with_requests_add_a_plain_english_turn_for_documented_fun
     assert both == plain + [("Write a function that returns the maximum of a list.\n", plain[0][1])]
 
 
+
+def test_json_examples_describe_public_functions_in_the_grammars_own_json():
+    text = (
+        "def big(xs, *rest, key=None, **kw):\n    \"\"\"Return the maximum of a list. Slowly.\"\"\"\n"
+        "    return max(xs)\n\n"
+        "def _private(x):\n    return x\n\n"
+        "class Box:\n    def put(self, item):\n        self.items.append(item)\n"
+    )
+    source = corpus.SourceFile("email/mime/__init__.py", text, "", False)
+    examples = corpus.json_examples(source, percent=100)
+    assert [user for user, _ in examples] == ["Describe the function big of email.mime as JSON.",
+                                              "Describe the function put of email.mime as JSON."]
+    answers = [json.loads(answer) for _, answer in examples]
+    assert answers[0] == {"name": "big", "module": "email.mime", "parameters": ["xs", "key", "*rest", "**kw"],
+                          "returns": True, "summary": "Return the maximum of a list."}
+    assert answers[1]["parameters"] == ["item"] and answers[1]["returns"] is False
+    for _, answer in examples:  # one line, written with the separators the server's grammar enforces
+        assert answer.endswith("}\n") and answer.count("\n") == 1
+        assert answer == json.dumps(json.loads(answer), separators=(", ", ": ")) + "\n"
+    assert corpus.json_examples(source, percent=0) == []
+    assert corpus.module_name("os.py") == "os" and corpus.module_name("json/decoder.py") == "json.decoder"
+
 # ---------------------------------------------------------------------------------------------
 # Tokenizer
 

@@ -73,6 +73,7 @@ class BuildPlan:
     chat_percent: int = 20
     chat_max_lines: int = 40
     chat_requests: bool = False
+    json_percent: int = 0  # share of public functions also described as JSON (corpus.json_examples)
     # drafter data and training
     drafter_sequences: int = 2048
     # more sequences continued by sampling at drafter_sample_temperature (a drafter for sampled
@@ -99,6 +100,7 @@ class BuildPlan:
 FULL = BuildPlan(
     name="full", target_steps=1500, target_warmup=50,
     deduplicate=True, chat_percent=40, chat_max_lines=30, chat_requests=True,
+    json_percent=20,
     drafter_sequences=1536, drafter_sampled_sequences=1536, drafter_options={"soft_target_weight": 0.5},
 )
 # The recipe of the previous committed pair (greedy continuations, labels only, 500 target steps).
@@ -216,6 +218,12 @@ def build_documents(plan: BuildPlan, tok, train, held, log: Log):
             if not plan.deduplicate or (user, answer) not in seen:  # the same function in two files is one example
                 seen.add((user, answer))
                 chat.append((user, answer))
+    if plan.json_percent:
+        for f in train:
+            for user, answer in corpus_mod.json_examples(f, plan.json_percent):
+                if not plan.deduplicate or (user, answer) not in seen:
+                    seen.add((user, answer))
+                    chat.append((user, answer))
     chat_docs = tok_mod.chat_ids_batch(tok, chat)
     held_docs = tok_mod.encode_plain(tok, [f.text for f in held])
     n_file, n_chat = sum(map(len, file_docs)), sum(map(len, chat_docs))

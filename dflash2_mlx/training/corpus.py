@@ -203,6 +203,51 @@ def function_examples(
     return [(user, assistant) for _, _, user, assistant in sorted(out)]
 
 
+def module_name(relative: str) -> str:
+    """"email.mime.text" from "email/mime/text.py" ("os" from "os.py", "json" from "json/__init__.py")."""
+    parts = relative[: -len(".py")].split("/")
+    return ".".join(parts[:-1] if parts[-1] == "__init__" and len(parts) > 1 else parts)
+
+
+def json_examples(file: SourceFile, percent: int = 20) -> list[tuple[str, str]]:
+    """(user, assistant) pairs that ask for a function's description as JSON and answer with one
+    JSON object on one line, ``{"name", "module", "parameters", "returns", "summary"}``, written
+    with the separators the server's grammar enforces (", " and ": "). They teach the demo target
+    to answer structured-output requests by itself, so its drafter drafts JSON as well as code.
+
+    Selection is by the sha256 of "json:path:line" (deterministic, independent of the code
+    examples'); private functions (a leading underscore) are skipped."""
+    import ast
+    import json
+
+    try:
+        tree = ast.parse(file.text)
+    except SyntaxError:
+        return []
+    module = module_name(file.relative)
+    out = []
+    for node in ast.walk(tree):
+        if not isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) or node.name.startswith("_"):
+            continue
+        key = f"json:{file.relative}:{node.lineno}".encode()
+        if int.from_bytes(hashlib.sha256(key).digest()[:8], "big") % 100 >= percent:
+            continue
+        args = node.args
+        params = [a.arg for a in args.posonlyargs + args.args + args.kwonlyargs if a.arg not in ("self", "cls")]
+        params += [f"*{args.vararg.arg}"] if args.vararg else []
+        params += [f"**{args.kwarg.arg}"] if args.kwarg else []
+        returns = any(isinstance(n, ast.Return) and n.value is not None for n in ast.walk(node))
+        doc = ast.get_docstring(node) or ""
+        summary = " ".join(doc.strip().split("\n\n")[0].split())
+        summary = summary[: summary.find(". ") + 1] if ". " in summary else summary
+        if len(summary) > 160:
+            continue
+        answer = json.dumps({"name": node.name, "module": module, "parameters": params, "returns": returns,
+                             "summary": summary})
+        out.append((node.lineno, f"Describe the function {node.name} of {module} as JSON.", answer + "\n"))
+    return [(user, answer) for _, user, answer in sorted(out)]
+
+
 _ES_ENDINGS = ("s", "sh", "ch", "x", "z")
 _NOT_VERBS = frozenset({"the", "this", "a", "an", "if", "when", "for", "in", "on", "helper", "internal",
                         "private", "used", "called", "deprecated", "note", "see", "same", "like", "as", "it"})
