@@ -19,7 +19,7 @@ import pytest
 from mlx.utils import tree_flatten
 
 import tiny
-from dflash2_mlx.constrained import Grammar, GrammarError, json_schema_rules
+from dflash2_mlx.constrained import Grammar, GrammarError, GrammarState, json_schema_rules
 from dflash2_mlx.engine import GenerationSettings, generate_autoregressive, generate_speculative
 from dflash2_mlx.sampling import SamplingSettings, probabilities
 from dflash2_mlx.target import TargetRunner
@@ -110,6 +110,40 @@ def test_constrained_speculative_greedy_equals_constrained_plain_greedy(hybrid_t
         assert _tokens(events) == plain, f"case {case}: {kind}, block {block}"
         accepted_counts |= {e.accepted for e in events if e.accepted is not None}
     assert refused_drafts > 0 and {0, 1, 2, 3} <= accepted_counts and max(accepted_counts) >= 8
+
+
+def test_constrained_speculative_sampling_with_masked_drafts_always_gives_a_valid_answer(hybrid_target, plain_target,
+                                                                                        byte_tokenizer, schema_grammar):
+    """12 random set-ups of sampled DFlash 2 under the schema (the drafts walk the grammar): target
+    kind, block size 2..16, temperature, oracle drafter corrupted at random or a random drafter.
+    Each answer validates and ends by itself; the matcher survives every walk and rollback."""
+    jsonschema = pytest.importorskip("jsonschema")
+    rng = random.Random(20261204)
+    targets = {"hybrid": hybrid_target, "plain": plain_target}
+    accepted = 0
+    for case in range(12):
+        kind = rng.choice(["hybrid", "plain"])
+        cfg, model = targets[kind]
+        runner = TargetRunner(model)
+        prompt = [rng.randrange(0, tiny.VOCAB - 4) for _ in range(rng.randint(1, 12))]
+        settings = GenerationSettings(max_tokens=MAX_TOKENS, block_size=rng.randint(2, 16), grammar=schema_grammar,
+                                      sampling=SamplingSettings(temperature=rng.choice([0.6, 1.0])),
+                                      seed=case, stop_token_ids=[tiny.EOS_ID])
+        dcfg = tiny.drafter_config(cfg, version=2, block_size=16)
+        drafter = tiny.build_drafter(dcfg, seed=rng.randrange(1000))
+        if rng.random() < 0.7:  # an oracle of one constrained sample: later samples part from it
+            plain = _tokens(generate_autoregressive(runner, prompt, settings))
+            continuation = prompt + plain
+            corrupt = {p for p in range(len(prompt) + 1, len(continuation)) if rng.random() < 0.2}
+            oracle = tiny.OracleDrafter(dcfg, continuation, corrupt)
+            oracle.load_weights(tree_flatten(drafter.parameters()))
+            drafter = oracle
+        settings.seed = case + 100
+        events = list(generate_speculative(runner, drafter, prompt, settings))
+        assert events[-1].finish_reason == "stop", f"case {case}: {kind}"
+        jsonschema.validate(json.loads(_text(byte_tokenizer, _tokens(events))), SCHEMA)
+        accepted += sum(e.accepted or 0 for e in events)
+    assert accepted > 0
 
 
 def test_json_object_mode_gives_an_object_and_stays_lossless(hybrid_target, byte_tokenizer):
@@ -323,15 +357,34 @@ def _exact_constrained_joint(runner, prompt, sampling, vocab):
     return table
 
 
-@pytest.mark.parametrize("version", [1, 2])
-def test_constrained_speculative_sampling_matches_the_constrained_joint_distribution(version, tmp_path):
+class _WalkRecorder:
+    """The grammar, whose states keep the q of every sampled walk (to see the drafts were masked)."""
+
+    def __init__(self, grammar: Grammar):
+        self.grammar, self.walks = grammar, []
+
+    def start(self) -> GrammarState:
+        state, walks = self.grammar.start(), self.walks
+
+        def sampled_path(*args):
+            path, q = GrammarState.sampled_path(state, *args)
+            walks.append(q)
+            return path, q
+
+        state.sampled_path = sampled_path
+        return state
+
+
+@pytest.mark.parametrize("version, mask_drafts", [(1, True), (2, True), (2, False)])
+def test_constrained_speculative_sampling_matches_the_constrained_joint_distribution(version, mask_drafts, tmp_path):
     """The first three tokens (prefill's, then a cycle's drafts, accept/reject and bonus, all under
-    the grammar's masks) follow the exact constrained joint distribution (G-test at ALPHA)."""
+    the grammar's masks) follow the exact constrained joint distribution (G-test at ALPHA), with
+    DFlash 2's drafts masked by the grammar (q over the allowed candidates) or not."""
     from test_sampling import ALPHA, g_test_pvalue
 
     eos, mask = tiny.write_letters_tokenizer(tmp_path)
     tokenizer = tiny.load_tokenizer(tmp_path)
-    grammar = Grammar("answer: " + " | ".join(json.dumps(s) for s in LANGUAGE), tokenizer, [eos])
+    grammar = _WalkRecorder(Grammar("answer: " + " | ".join(json.dumps(s) for s in LANGUAGE), tokenizer, [eos]))
     vocab = mask + 1
     cfg = tiny.hybrid_config(vocab=vocab, hidden=32)
     runner = TargetRunner(tiny.build_target(cfg, seed=3, scale=1.5))
@@ -346,10 +399,14 @@ def test_constrained_speculative_sampling_matches_the_constrained_joint_distribu
     n = 1200
     for seed in range(n):
         settings = GenerationSettings(max_tokens=3, sampling=sampling, seed=seed, block_size=3, grammar=grammar,
-                                      stop_token_ids=[eos])
+                                      stop_token_ids=[eos], mask_drafts=mask_drafts)
         events = list(generate_speculative(runner, drafter, prompt, settings))
         toks = [t for e in events for t in e.tokens]
         counts[np.ravel_multi_index(toks, (vocab,) * 3)] += 1
         accepted_any += any((e.accepted or 0) > 0 for e in events)
     assert 0.05 * n < accepted_any < n  # drafts were both accepted and rejected
     assert g_test_pvalue(counts, exact) > ALPHA
+    if version == 2 and mask_drafts:  # every cycle walked the grammar, which refused candidates
+        assert len(grammar.walks) >= n and sum((q == 0).any() for q in grammar.walks) > 0.5 * n
+    else:
+        assert not grammar.walks
