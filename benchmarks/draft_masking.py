@@ -1,14 +1,18 @@
 """Does masking the drafter's candidates with the grammar pay? Acceptance and decode tok/s.
 
-    python benchmarks/draft_masking.py [--prompts 6] [--max-tokens 96] [--json out.json]
+    python benchmarks/draft_masking.py [--prompts 6] [--max-tokens 96] [--block-size 8]
+        [--temperature 0.7 [--top-p 0.9] --seeds 3] [--json out.json]
 
-On the embedded pair with a JSON schema, greedy, same prompts, interleaved: the engine as it runs
-(``masked-drafts``: each row's k selector candidates filtered by the matcher advanced along the
-path so far, the best allowed one by pair score kept, ``GrammarState.greedy_path``) vs the same
-loop with the plain greedy walk over the same pair scores (``verify-masks-only``: drafts the
-grammar refuses are proposed and rejected). Both draft each block after the previous cycle's host
-sync (the masked walk needs the committed tokens). Output must be identical: the verify masks
-decide, drafts only change acceptance.
+On the embedded pair with a JSON schema, same prompts (and seeds), interleaved: the engine as it
+runs (``masked-drafts``: each row's k selector candidates filtered by the matcher advanced along
+the path so far; greedy keeps the best allowed one by pair score, ``GrammarState.greedy_path``,
+sampling draws from the selector's softmax over the allowed ones, ``GrammarState.sampled_path``)
+vs the same requests with ``GenerationSettings(mask_drafts=False)`` (``verify-masks-only``: the
+kernel's walk, drafts the grammar refuses are proposed and rejected). The masked walk needs the
+committed tokens, so it drafts each block after the previous cycle's host sync; unmasked, the
+loop drafts the next block ahead of it, as it does without a grammar. Greedy output must be
+identical (the verify masks decide, drafts only change acceptance); sampled output follows the
+same distribution but not the same draws, so every answer is checked against the schema instead.
 """
 
 from __future__ import annotations
@@ -24,67 +28,67 @@ import dflash2_mlx  # noqa: F401  (OpenBLAS before mlx.core)
 sys.path.insert(0, str(Path(__file__).parent))
 from constrained_decode import SCHEMA  # noqa: E402
 
-
-class UnmaskedWalk:
-    """The grammar, but its states walk the selector's candidates without skipping refused ones."""
-
-    def __init__(self, grammar):
-        self.grammar = grammar
-
-    def start(self):
-        import numpy as np
-
-        state = self.grammar.start()
-
-        def plain_walk(candidates, pairs):
-            candidates, pairs = np.asarray(candidates), np.asarray(pairs)
-            path, prev = [], 0
-            for i in range(candidates.shape[0]):
-                prev = int(np.argmax(pairs[i, prev]))  # the first maximum, as the selector's walk
-                path.append(int(candidates[i, prev]))
-            return path
-
-        state.greedy_path = plain_walk
-        return state
+MODES = {"masked-drafts": True, "verify-masks-only": False}  # mode -> GenerationSettings.mask_drafts
 
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--prompts", type=int, default=6)
     ap.add_argument("--max-tokens", type=int, default=96)
+    ap.add_argument("--block-size", type=int, default=None, help="pin the block size (default: the controller)")
+    ap.add_argument("--temperature", type=float, default=0.0, help="0: greedy; else sampled")
+    ap.add_argument("--top-p", type=float, default=1.0)
+    ap.add_argument("--seeds", type=int, default=1, help="runs per prompt and mode, seeds 0..n-1 (sampling)")
     ap.add_argument("--json", type=Path)
     args = ap.parse_args(argv)
+
+    import jsonschema
 
     from dflash2_mlx import assets
     from dflash2_mlx.constrained import Grammar
     from dflash2_mlx.engine import GenerationSettings, collect, generate_speculative
     from dflash2_mlx.loading import load_drafter, load_target
+    from dflash2_mlx.sampling import SamplingSettings
 
     target = load_target(str(assets.demo_target_path()))
     drafter = load_drafter(str(assets.demo_drafter_path()))
     tok, runner = target.tokenizer, target.runner
     stops = sorted(tok.eos_token_ids)
     grammar = Grammar.json_schema(SCHEMA, tok, stops)
-    modes = {"masked-drafts": grammar, "verify-masks-only": UnmaskedWalk(grammar)}
-    out = {m: {"tps": [], "cycles": 0, "cycle_tokens": 0} for m in modes}
+    sampling = SamplingSettings(temperature=args.temperature, top_p=args.top_p)
+    greedy = sampling.greedy
+    out = {m: {"tps": [], "cycles": 0, "cycle_tokens": 0, "valid": 0, "runs": 0} for m in MODES}
     identical = True
     for i, prompt in enumerate(assets.demo_prompts()[: args.prompts]):
         ids = tok.encode(prompt, add_special_tokens=False)
-        runs = {}
-        for rep in range(2 if i == 0 else 1):
-            for mode, g in modes.items():
-                settings = GenerationSettings(max_tokens=args.max_tokens, stop_token_ids=stops, grammar=g)
-                tokens, stats = collect(generate_speculative(runner, drafter, ids, settings))
-                runs[mode] = tokens
-                if i == 0 and rep == 0:
-                    continue  # warm-up
-                out[mode]["tps"].append(stats.decode_tps)
-                out[mode]["cycles"] += stats.verify_steps
-                out[mode]["cycle_tokens"] += stats.cycle_tokens
-        identical &= runs["masked-drafts"] == runs["verify-masks-only"]
-    report = {"prompts": args.prompts, "max_tokens": args.max_tokens, "identical": identical}
+        for seed in range(1 if greedy else args.seeds):
+            runs = {}
+            for rep in range(2 if i == 0 and seed == 0 else 1):
+                for mode, mask_drafts in MODES.items():
+                    settings = GenerationSettings(max_tokens=args.max_tokens, stop_token_ids=stops, grammar=grammar,
+                                                  sampling=sampling, seed=seed, block_size=args.block_size,
+                                                  mask_drafts=mask_drafts)
+                    tokens, stats = collect(generate_speculative(runner, drafter, ids, settings))
+                    runs[mode] = tokens
+                    if i == 0 and seed == 0 and rep == 0:
+                        continue  # warm-up
+                    r = out[mode]
+                    r["tps"].append(stats.decode_tps)
+                    r["cycles"] += stats.verify_steps
+                    r["cycle_tokens"] += stats.cycle_tokens
+                    r["runs"] += 1
+                    if stats.finish_reason == "stop":  # a complete answer (else cut at max_tokens)
+                        text = tok.decode([t for t in tokens if t not in stops])
+                        jsonschema.validate(json.loads(text), SCHEMA)
+                        r["valid"] += 1
+            identical &= runs["masked-drafts"] == runs["verify-masks-only"]
+    report = {"prompts": args.prompts, "max_tokens": args.max_tokens, "block_size": args.block_size,
+              "temperature": args.temperature, "top_p": args.top_p, "seeds": 1 if greedy else args.seeds}
+    if greedy:
+        report["identical"] = identical
     for mode, r in out.items():
-        report[mode] = {"decode_tps_mean": statistics.mean(r["tps"]), "acceptance_length": r["cycle_tokens"] / r["cycles"]}
+        report[mode] = {"decode_tps_mean": statistics.mean(r["tps"]), "acceptance_length": r["cycle_tokens"] / r["cycles"],
+                        "complete_valid_answers": f"{r['valid']}/{r['runs']}"}
     report["speedup"] = report["masked-drafts"]["decode_tps_mean"] / report["verify-masks-only"]["decode_tps_mean"]
     print(json.dumps(report, indent=1))
     if args.json:
