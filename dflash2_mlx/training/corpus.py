@@ -42,10 +42,14 @@ def is_excluded(relative: str) -> bool:
     return not parts[-1].endswith(".py")
 
 
+def hash_percentile(key: str) -> int:
+    """0..99 from the first 8 bytes of sha256(key): a selection that depends on nothing else."""
+    return int.from_bytes(hashlib.sha256(key.encode("utf-8")).digest()[:8], "big") % 100
+
+
 def is_held_out(relative: str, percent: int = HELD_OUT_PERCENT) -> bool:
     """Deterministic split by the sha256 of the relative path (about ``percent``% held out)."""
-    digest = hashlib.sha256(relative.encode("utf-8")).digest()
-    return int.from_bytes(digest[:8], "big") % 100 < percent
+    return hash_percentile(relative) < percent
 
 
 @dataclass(frozen=True)
@@ -182,8 +186,7 @@ def function_examples(
         end = node.end_lineno
         if end - start > max_lines or end - start < 3:
             continue
-        key = f"{file.relative}:{node.lineno}".encode()
-        if int.from_bytes(hashlib.sha256(key).digest()[:8], "big") % 100 >= percent:
+        if hash_percentile(f"{file.relative}:{node.lineno}") >= percent:
             continue
         body = node.body
         has_doc = isinstance(body[0], ast.Expr) and isinstance(getattr(body[0], "value", None), ast.Constant) \
@@ -229,17 +232,14 @@ def json_examples(file: SourceFile, percent: int = 20) -> list[tuple[str, str]]:
     for node in ast.walk(tree):
         if not isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) or node.name.startswith("_"):
             continue
-        key = f"json:{file.relative}:{node.lineno}".encode()
-        if int.from_bytes(hashlib.sha256(key).digest()[:8], "big") % 100 >= percent:
+        if hash_percentile(f"json:{file.relative}:{node.lineno}") >= percent:
             continue
         args = node.args
         params = [a.arg for a in args.posonlyargs + args.args + args.kwonlyargs if a.arg not in ("self", "cls")]
         params += [f"*{args.vararg.arg}"] if args.vararg else []
         params += [f"**{args.kwarg.arg}"] if args.kwarg else []
         returns = any(isinstance(n, ast.Return) and n.value is not None for n in ast.walk(node))
-        doc = ast.get_docstring(node) or ""
-        summary = " ".join(doc.strip().split("\n\n")[0].split())
-        summary = summary[: summary.find(". ") + 1] if ". " in summary else summary
+        summary = first_sentence(ast.get_docstring(node) or "")
         if len(summary) > 160:
             continue
         answer = json.dumps({"name": node.name, "module": module, "parameters": params, "returns": returns,
@@ -253,14 +253,18 @@ _NOT_VERBS = frozenset({"the", "this", "a", "an", "if", "when", "for", "in", "on
                         "private", "used", "called", "deprecated", "note", "see", "same", "like", "as", "it"})
 
 
+def first_sentence(docstring: str) -> str:
+    """A docstring's first sentence on one line (its first paragraph up to the first ". ")."""
+    summary = " ".join(docstring.strip().split("\n\n")[0].split())
+    end = summary.find(". ")
+    return summary[: end + 1] if end >= 0 else summary
+
+
 def request_from_summary(docstring: str) -> Optional[str]:
     """"Write a function that returns the sum." from a docstring opening "Return the sum.":
     the first sentence, its leading imperative verb put in the third person. None when the
     summary does not start with a capitalised word or is too short or long to be a request."""
-    summary = docstring.strip().split("\n\n")[0].replace("\n", " ")
-    summary = " ".join(summary.split())
-    end = summary.find(". ")
-    summary = (summary[: end + 1] if end >= 0 else summary).rstrip()
+    summary = first_sentence(docstring)
     words = summary.split(" ")
     if not (3 <= len(words) <= 24) or not words[0].isalpha() or not words[0][0].isupper():
         return None
