@@ -101,7 +101,8 @@ FULL = BuildPlan(
     name="full", target_steps=1500, target_warmup=50,
     deduplicate=True, chat_percent=40, chat_max_lines=30, chat_requests=True,
     json_percent=20,
-    drafter_sequences=1536, drafter_sampled_sequences=1536, drafter_options={"soft_target_weight": 0.5},
+    drafter_sequences=2560, drafter_sampled_sequences=2560, drafter_steps=3000,
+    drafter_options={"soft_target_weight": 0.5, "feature_cache_bytes": 6 << 30},
 )
 # The recipe of the previous committed pair (greedy continuations, labels only, 500 target steps).
 PREVIOUS = BuildPlan(name="previous")
@@ -113,7 +114,7 @@ QUICK = dataclasses.replace(
 
 
 def fix_threads(n: int = THREADS) -> str:
-    """Pin OpenBLAS's thread count (it is already loaded, so through its API)."""
+    """Pin OpenBLAS's thread count (it is already loaded, so through its API); say what runs."""
     for name in _blas.CANDIDATES:
         try:
             lib = ctypes.CDLL(name)
@@ -121,7 +122,9 @@ def fix_threads(n: int = THREADS) -> str:
             return f"openblas threads = {n}"
         except (OSError, AttributeError):
             continue
-    return "OpenBLAS not loaded: MLX's own BLAS"
+    if _blas.status.startswith("Intel oneMKL"):
+        return "oneMKL sequential (blas.py: MLX's own threads call it)"
+    return "no OpenBLAS or oneMKL loaded: MLX's own BLAS"
 
 
 def sha256_file(path: Path) -> str:
