@@ -21,7 +21,6 @@ from .common import (
     choose_models,
     controller_line,
     draft_option,
-    embedded_prompts,
     encode_line,
     fail,
     fmt_seconds,
@@ -167,10 +166,14 @@ def demo_command(
         fail(f"--export saves .svg or .html, got {export}")
     sampling = sampling_settings(temp)
     choice = choose_models(model, draft_model, preset)
+    if prompt is None and choice.embedded:
+        from dflash2_mlx.assets import DEMO_REQUEST
+
+        prompt = DEMO_REQUEST
     if prompt is not None:
         line = {"prompt": prompt} if ignore_chat_template else {"messages": [{"role": "user", "content": prompt}]}
     else:
-        line = ((embedded_prompts() if choice.embedded else []) or BUILTIN_PROMPTS)[0]
+        line = BUILTIN_PROMPTS[0]
     block_size = parse_block_size(block_size)
     target, drafter = load_models(choice, block_size)
     tokenizer = target.tokenizer

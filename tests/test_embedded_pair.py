@@ -32,7 +32,7 @@ def test_shipped_files_are_the_recorded_build_and_fit_25_mb():
     assert sum(p.stat().st_size for p in shipped) <= 25_000_000
     e = m["evaluation"]
     assert e["identical_to_autoregressive"] is True
-    assert e["acceptance_length_t0"] >= 2.5 and e["block_size"] == 8  # recorded: 2.84
+    assert e["acceptance_length_t0"] >= 3.3 and e["block_size"] == 8  # recorded: 3.61
 
 
 def test_every_place_names_it_a_tiny_code_completion_demo():
@@ -56,9 +56,27 @@ def test_speculative_equals_plain_on_held_out_prompts(pair):
         assert spec == plain
         cycle_tokens += stats.cycle_tokens
         cycles += stats.verify_steps
-    # drafts really are accepted, several per cycle at times (measured 1.54 on these 4 prompts at 48
-    # tokens; the full prompt set at 128 tokens, 2.84, is recorded in MANIFEST.json)
-    assert cycle_tokens / cycles >= 1.4
+    # drafts really are accepted, several per cycle (measured 2.32 on these 4 prompts at 48
+    # tokens; the full prompt set at 128 tokens, 3.61, is recorded in MANIFEST.json)
+    assert cycle_tokens / cycles >= 2.0
+
+
+def test_the_demo_request_gets_a_short_answer_that_ends_its_turn_and_does_not_loop(pair):
+    """`dflash2-mlx demo`'s default on this pair: greedy, what a newcomer sees first."""
+    from dflash2_mlx.training.build_demo_pair import repetition_rate
+
+    target, drafter = pair
+    tok = target.tokenizer
+    ids = tok.apply_chat_template([{"role": "user", "content": assets.DEMO_REQUEST}], add_generation_prompt=True,
+                                  tokenize=True)
+    settings = GenerationSettings(max_tokens=256, block_size=8, stop_token_ids=sorted(tok.eos_token_ids))
+    spec, stats = collect(generate_speculative(target.runner, drafter, list(ids), settings, tok))
+    assert spec == collect(generate_autoregressive(target.runner, list(ids), settings, tok))[0]
+    assert spec[-1] in tok.eos_token_ids  # measured: 54 tokens
+    repeated, total = repetition_rate(spec)
+    assert repeated / total <= 0.40  # measured: 6%
+    assert "def " in tok.decode(spec)
+    assert stats.acceptance_length >= 3.0  # measured: 5.30
 
 
 def test_zlab_reference_loads_the_pair_and_matches_tokens_and_acceptance(pair, embedded_pair):
