@@ -22,8 +22,8 @@ PROMPTS_FILE = "prompts.jsonl"
 MANIFEST_FILE = "MANIFEST.json"
 REBUILD = "python -m dflash2_mlx.training.build_demo_pair"
 # What `dflash2-mlx demo` asks this pair by default: a chat request, not a raw code prefix, since
-# greedily the tiny target falls into loops on most prefixes (70% repeated 4-grams) while to this
-# request it writes a short class and ends its turn (one of the build's CHAT_PROMPTS).
+# greedily the tiny target falls into loops on most prefixes (70% repeated 4-grams), while to this
+# request it writes a short function and ends its turn (chosen from 17 everyday requests, README).
 DEMO_REQUEST = "Write a function that returns the last line of a file."
 
 
