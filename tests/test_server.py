@@ -310,11 +310,12 @@ def test_queue_full_429_and_disconnect_cancels(server, end_bias):
     with httpx.Client(base_url=server.base, timeout=60, limits=httpx.Limits(max_connections=8)) as h:
         with h.stream("POST", "/v1/completions", headers=auth(), json=body) as r:
             assert r.status_code == 200
-            n = 0
-            for line in r.iter_lines():
-                n += line.startswith("data:")
-                if n >= 3:
-                    break
+            # One iterator kept alive: a `for ... break` over r.iter_lines() lets the generator be
+            # collected at once, which closes the connection, so the server cancelled the stream
+            # (and ran the queued requests) while the six below were still arriving.
+            lines, n = r.iter_lines(), 0
+            while n < 3:
+                n += next(lines).startswith("data:")
             # While it runs, 6 more requests: --max-queue 2 wait, the other 4 get 429 + Retry-After.
             futures = [pool.submit(one, h) for _ in range(6)]
             deadline = time.monotonic() + 30
