@@ -138,6 +138,21 @@ def preload() -> str:
     return status
 
 
+def set_threads(n: int) -> str:
+    """Pin the loaded BLAS to ``n`` threads where it has its own pool; says what runs, for logs.
+
+    Acts on the library ``preload`` loaded, not on whatever OpenBLAS happens to be installed."""
+    if loaded == "openblas":
+        try:
+            ctypes.CDLL(library_path).openblas_set_num_threads(ctypes.c_int(n))
+            return f"OpenBLAS threads = {n}"
+        except (OSError, AttributeError):
+            return "OpenBLAS: thread count not settable"
+    if loaded == "mkl":
+        return "oneMKL sequential (MLX's own threads call it)"
+    return "MLX's reference BLAS (single-threaded)"
+
+
 def reference_blas_warning() -> Optional[str]:
     """One line for commands that decode: set when MLX's CPU matmuls run on its reference BLAS."""
     if loaded is not None or not sys.platform.startswith("linux"):

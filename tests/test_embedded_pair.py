@@ -11,7 +11,7 @@ import pytest
 from dflash2_mlx import assets
 from dflash2_mlx.engine import GenerationSettings, collect, generate_autoregressive, generate_speculative
 from dflash2_mlx.loading import load_drafter, load_target
-from dflash2_mlx.training.build_demo_pair import CHECKED_FILES, sha256_file
+from dflash2_mlx.training.build_demo_pair import CHECKED_FILES, repetition_rate, sha256_file
 
 MAX_TOKENS = 48
 
@@ -63,8 +63,6 @@ def test_speculative_equals_plain_on_held_out_prompts(pair):
 
 def test_the_demo_request_gets_a_short_answer_that_ends_its_turn_and_does_not_loop(pair):
     """`dflash2-mlx demo`'s default on this pair: greedy, what a newcomer sees first."""
-    from dflash2_mlx.training.build_demo_pair import repetition_rate
-
     target, drafter = pair
     tok = target.tokenizer
     ids = tok.apply_chat_template([{"role": "user", "content": assets.DEMO_REQUEST}], add_generation_prompt=True,

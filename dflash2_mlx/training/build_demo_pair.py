@@ -20,7 +20,6 @@ command on the same machine kind reproduces the committed weights bit for bit (`
 from __future__ import annotations
 
 import argparse
-import ctypes
 import dataclasses
 import hashlib
 import json
@@ -114,17 +113,8 @@ QUICK = dataclasses.replace(
 
 
 def fix_threads(n: int = THREADS) -> str:
-    """Pin OpenBLAS's thread count (it is already loaded, so through its API); say what runs."""
-    for name in _blas.CANDIDATES:
-        try:
-            lib = ctypes.CDLL(name)
-            lib.openblas_set_num_threads(ctypes.c_int(n))
-            return f"openblas threads = {n}"
-        except (OSError, AttributeError):
-            continue
-    if _blas.status.startswith("Intel oneMKL"):
-        return "oneMKL sequential (blas.py: MLX's own threads call it)"
-    return "no OpenBLAS or oneMKL loaded: MLX's own BLAS"
+    """Pin the BLAS to the build's thread count; says what runs (recorded in MANIFEST)."""
+    return _blas.set_threads(n)
 
 
 def sha256_file(path: Path) -> str:
