@@ -18,8 +18,9 @@ loops call ``Grammar.start()`` for a fresh ``GrammarState`` and then use three c
 A grammar can start after a reasoning block (``reasoning_end``: the tokens that close it, e.g.
 ``</think>``): the reasoning is not constrained, then a little whitespace and the answer are.
 
-Masks are built on the host as bitmasks, then turned into a boolean array and applied with one
-``where``; the decode loop asks for them while the device computes the verify pass.
+Masks are built on the host as bitmasks (a verify block's rows in one native llguidance call),
+then turned into a boolean array and applied with one ``where``; the decode loop asks for them
+while the device computes the verify pass.
 """
 
 from __future__ import annotations
@@ -38,6 +39,12 @@ JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separ
 # Between a closed reasoning block and the answer (Qwen writes "</think>\n\n").
 LEAD = "LEAD: /[ \\t\\r\\n]{1,8}/\n"
 _UNIMPLEMENTED = re.compile(r'Unimplemented keys: \[(.*?)\]')
+# Walking the drafter's candidates under the grammar puts a host step between the draft and its
+# verify pass; it pays only when a refused draft often is what ends the accepted run. The share of
+# cycles where the selector's own path held a refused token no later than the accepted length is
+# followed every cycle, walked or not (exponentially weighted), and the walk is used while it is
+# above WALK_ABOVE (measured in docs/benchmarks.md "Constrained decoding").
+REFUSAL_PRIOR, REFUSAL_WEIGHT, WALK_ABOVE = 0.5, 0.2, 0.2
 
 
 class GrammarError(ValueError):
@@ -112,6 +119,19 @@ def _closed_objects(schema: Any) -> Any:
     if "properties" in out and "additionalProperties" not in out:
         out["additionalProperties"] = False
     return out
+
+
+_EXECUTOR: Any = None
+
+
+def _executor():
+    """llguidance's executor for its batch mask calls, made once (it owns a thread pool)."""
+    global _EXECUTOR
+    if _EXECUTOR is None:
+        import llguidance
+
+        _EXECUTOR = llguidance.LLExecutor()
+    return _EXECUTOR
 
 
 # ---- tokenizers ---------------------------------------------------------------------------------
@@ -192,14 +212,43 @@ class GrammarState:
         self._end = grammar.reasoning_end
         self._reasoning = bool(self._end)  # inside the reasoning block: nothing is masked yet
         self._tail: list[int] = []  # the last tokens while reasoning (to see the block close)
+        self.refusal_rate = REFUSAL_PRIOR  # share of recent cycles a refused draft held back
+        self._walk_refused_at: Optional[int] = None  # the walk's finding: where the selector's path was refused
+        self._pending: Optional[int] = None  # that row, until the commit says how much was accepted
+
+    @property
+    def walk_pays(self) -> bool:
+        """Whether the next block's drafts should be walked under the grammar (greedy_path,
+        sampled_path): the drafter has recently proposed refused tokens often enough."""
+        return self.refusal_rate > WALK_ABOVE
+
+    def _observe_refusal(self, refused: float) -> None:
+        self.refusal_rate += REFUSAL_WEIGHT * (refused - self.refusal_rate)
+
+    def _walk_found(self, refused_at: int) -> None:
+        self._walk_refused_at = refused_at
 
     def _fill(self, row: int) -> None:
         from llguidance.numpy import fill_next_token_bitmask
 
         fill_next_token_bitmask(self.matcher, self._bits, row)
-        if not self._bits[row].any():  # finished or failed: let a stop token end the text
-            for t in self.grammar.stop_token_ids:
-                self._bits[row, t >> 5] |= np.int32(np.uint32(1 << (t & 31)).view(np.int32))
+        self._allow_stops_where_empty(row, row + 1)
+
+    def _allow_stops_where_empty(self, start: int, stop: int) -> None:
+        """A finished (or failed) matcher allows nothing: let a stop token end the text there."""
+        empty = start + np.flatnonzero(~self._bits[start:stop].any(axis=1))
+        for t in self.grammar.stop_token_ids:
+            self._bits[empty, t >> 5] |= np.int32(np.uint32(1 << (t & 31)).view(np.int32))
+
+    def _allowed_prefix(self, tokens: Sequence[int]) -> int:
+        """How many of ``tokens`` the matcher takes in a row, stopping before a stop token (it ends
+        the text); the matcher is not moved. Far cheaper than a mask per token."""
+        n = self.matcher.validate_tokens(list(tokens))
+        return next((i for i, t in enumerate(tokens[:n]) if t in self._stops), n)
+
+    def _ensure_rows(self, rows: int) -> None:
+        if rows > self._bits.shape[0]:
+            self._bits = np.zeros((rows, self.grammar.words), dtype=np.int32)
 
     def _apply(self, logits: mx.array, rows: int) -> mx.array:
         """logits [rows, V] with every token outside rows' bitmasks set to -inf."""
@@ -224,58 +273,90 @@ class GrammarState:
     def mask_verify(self, logits: mx.array, drafts: Sequence[int]) -> mx.array:
         """Verify logits [R + 1, V] for drafts d1..dR -> row i masked after d1..di; the matcher is
         back where it was afterwards."""
+        from llguidance.numpy import fill_next_token_bitmask_par_with_draft_tokens
+
         rows = logits.shape[0]
-        if rows > self._bits.shape[0]:
-            self._bits = np.zeros((rows, self.grammar.words), dtype=np.int32)
+        self._ensure_rows(rows)
+        drafts = [int(d) for d in drafts[: rows - 1]]
         first = 0  # the first row the grammar masks: rows before it are still reasoning
         if self._reasoning:
             tail = self._tail[:]
             for first, d in enumerate(drafts, start=1):
-                tail.append(int(d))
+                tail.append(d)
                 if self._closes_reasoning(tail):
                     break
             else:
                 return logits
             self._bits[:first] = -1
-        consumed = 0
-        for i in range(first, rows):
-            self._fill(i)
-            if i == rows - 1:
-                break
-            d = int(drafts[i])
-            if d in self._stops or not self._allows(i, d) or not self.matcher.consume_token(d):
-                # d is refused (rejected whatever follows) or ends the text: later rows never count
-                self._bits[i + 1:rows] = -1
-                break
-            consumed += 1
-        self.matcher.rollback(consumed)
+        # Rows first..first+n follow the drafts the grammar takes; a refused draft (or a stop
+        # token, which ends the text) is rejected whatever follows, so later rows never count.
+        body = drafts[first:]
+        taken = body[: self._allowed_prefix(body)]
+        if body:  # where the selector's own path was refused (len(body): nowhere), for the commit
+            found = self._walk_refused_at
+            found = found if found is not None else self.matcher.validate_tokens(body)
+            self._pending = first + found if found < len(body) else rows  # rows: never reached
+        self._walk_refused_at = None
+        if taken:  # one native call fills every row (advancing along the drafts and back), without the GIL
+            fill_next_token_bitmask_par_with_draft_tokens(_executor(), [(self.matcher, first, taken)], self._bits)
+        else:
+            self._fill(first)
+        last = first + len(taken)
+        self._allow_stops_where_empty(first, last + 1)
+        self._bits[last + 1: rows] = -1
         return self._apply(logits, rows)
 
-    def greedy_path(self, candidates, pairs) -> list[int]:
+    def greedy_path(self, candidates, pairs, unmasked: Optional[Sequence[int]] = None) -> list[int]:
         """The selector's greedy walk restricted to candidates the grammar allows: candidates
         [R, k] and pair scores [R, k (predecessor), k] as the selector computes them (row 0's
         predecessor slot 0 is the anchor) -> R draft tokens. A row with no allowed candidate takes
         its best one and the rest of the walk is unmasked (that draft is rejected anyway). Drafts
-        only change acceptance: the verify masks keep the output exact."""
+        only change acceptance: the verify masks keep the output exact.
+
+        Most drafts are allowed, so the unmasked walk is checked in one call and a row's mask is
+        built only where its best candidate is refused. ``unmasked``: that walk, when the selector
+        has computed it already; if the grammar allows all of it, neither array is read."""
+        if unmasked is not None:  # (inside a reasoning block the walk is the unmasked one)
+            unmasked = [int(t) for t in unmasked]
+            if self._reasoning:
+                return unmasked
+            if self._allowed_prefix(unmasked) == len(unmasked):
+                self._walk_found(len(unmasked))
+                return unmasked
         candidates = np.asarray(candidates)
         pairs = np.asarray(pairs.astype(mx.float32) if isinstance(pairs, mx.array) else pairs)
         rows = candidates.shape[0]
-        if rows > self._bits.shape[0]:
-            self._bits = np.zeros((rows, self.grammar.words), dtype=np.int32)
-        path, prev, consumed, masking = [], 0, 0, not self._reasoning
-        for i in range(rows):
+        self._ensure_rows(rows)
+        best = pairs.argmax(axis=-1)  # [R, k]: row i's best slot after each predecessor slot
+        path: list[int] = []
+        prev, consumed, masking = 0, 0, not self._reasoning
+        while len(path) < rows:
+            slots = []  # the unmasked walk from this row on
+            for i in range(len(path), rows):
+                slots.append(int(best[i, slots[-1] if slots else prev]))
+            tokens = [int(candidates[len(path) + j, b]) for j, b in enumerate(slots)]
+            if not masking:
+                path += tokens
+                break
+            n = self._allowed_prefix(tokens)
+            if not path:  # the selector's own path: refused or not
+                self._walk_found(self.matcher.validate_tokens(tokens))
+            self.matcher.consume_tokens(tokens[:n])
+            path, consumed = path + tokens[:n], consumed + n
+            if n == len(tokens):
+                break
+            i, prev = len(path), (slots[n - 1] if n else prev)
+            # row i's best candidate is refused: take the best one its mask allows
+            self._fill(i)
             order = np.argsort(-pairs[i, prev], kind="stable")
-            pick = order[0]
-            if masking:
-                self._fill(i)
-                pick = next((b for b in order if int(candidates[i, b]) not in self._stops
-                             and self._allows(i, int(candidates[i, b]))), None)
-                if pick is None or not self.matcher.consume_token(int(candidates[i, pick])):
-                    pick, masking = order[0], False
-                else:
-                    consumed += 1
+            pick = next((b for b in order if int(candidates[i, b]) not in self._stops
+                         and self._allows(i, int(candidates[i, b]))), None)
+            if pick is None or not self.matcher.consume_token(int(candidates[i, pick])):
+                pick, masking = order[0], False
+            else:
+                consumed += 1
             path.append(int(candidates[i, pick]))
-            prev = pick
+            prev = int(pick)
         self.matcher.rollback(consumed)
         return path
 
@@ -296,20 +377,25 @@ class GrammarState:
                               dtype=np.float32).reshape(-1)
         temperature = np.float32(temperature.item() if isinstance(temperature, mx.array) else temperature)
         rows, k = candidates.shape
-        if rows > self._bits.shape[0]:
-            self._bits = np.zeros((rows, self.grammar.words), dtype=np.int32)
+        self._ensure_rows(rows)
         path, prev, consumed, masking = [], 0, 0, not self._reasoning
         q = np.zeros((rows, k), dtype=np.float32)
+        stops = np.array(sorted(self._stops), dtype=np.int64)
+        refused_at, observed = None, masking  # the first row whose unmasked draw is refused
         for i in range(rows):
             allowed = np.ones(k, dtype=np.bool_)
             if masking:
                 self._fill(i)
-                allowed = np.array([int(t) not in self._stops and self._allows(i, int(t)) for t in candidates[i]])
+                allowed = self._allows_all(i, candidates[i]) & ~np.isin(candidates[i], stops)
                 if not allowed.any():
                     allowed[:], masking = True, False
             scaled = pairs[i, prev] / temperature
             weights = np.where(allowed, np.exp(scaled - scaled[allowed].max()), np.float32(0))
             q[i] = weights / weights.sum()
+            if masking and refused_at is None:  # would the unmasked draw, same uniform, be refused?
+                unmasked = np.exp(scaled - scaled.max())
+                j = min(int(np.sum(np.cumsum(unmasked / unmasked.sum()) <= uniforms[i])), k - 1)
+                refused_at = None if allowed[j] else i
             # The first j whose CDF exceeds u has q[j] > 0, so it is allowed; when rounding (or
             # u >= 1) leaves none, the last allowed one (the kernel's clamp to k - 1 when unmasked).
             pick = int(np.sum(np.cumsum(q[i]) <= uniforms[i]))
@@ -324,13 +410,27 @@ class GrammarState:
             path.append(token)
             prev = pick
         self.matcher.rollback(consumed)
+        if observed:
+            self._walk_found(rows if refused_at is None else refused_at)
         return path, q
 
     def _allows(self, row: int, token: int) -> bool:
         return token >> 5 < self._bits.shape[1] and bool((int(self._bits[row, token >> 5]) >> (token & 31)) & 1)
 
+    def _allows_all(self, row: int, tokens: np.ndarray) -> np.ndarray:
+        """``_allows`` for an array of tokens at once -> bool array of the same shape."""
+        tokens = np.asarray(tokens, dtype=np.int64)
+        words = tokens >> 5
+        inside = words < self._bits.shape[1]
+        bits = self._bits[row].view(np.uint32)[np.where(inside, words, 0)]
+        return inside & ((bits >> (tokens & 31).astype(np.uint32)) & 1).astype(np.bool_)
+
     def commit(self, tokens: Sequence[int]) -> None:
-        """Advance by emitted tokens (each was allowed by the mask it was picked under)."""
+        """Advance by emitted tokens (each was allowed by the mask it was picked under). After a
+        verify block, ``tokens`` are its accepted drafts + bonus."""
+        if self._pending is not None:  # a refused draft held the run back if it was reached
+            self._observe_refusal(float(self._pending <= len(tokens) - 1))
+            self._pending = None
         for t in tokens:
             t = int(t)
             if self._reasoning:

@@ -48,9 +48,10 @@ class GenerationSettings:
     cancel: Optional[threading.Event] = None  # set it to stop (checked between chunks and cycles)
     grammar: Optional[Grammar] = None  # constrained output: masks every picked and verified token
     # DFlash 2 under a grammar: the selector's walk skips candidates the grammar refuses (greedy
-    # and sampled). Only acceptance changes, the verify masks keep the output exact; off, the
-    # loop drafts ahead as without a grammar (benchmarks/draft_masking.py compares the two).
-    mask_drafts: bool = True
+    # and sampled). Only acceptance changes, the verify masks keep the output exact. None: walk
+    # while the drafter's proposals are often refused (GrammarState.walk_pays); True: every
+    # block; False: never (benchmarks/draft_masking.py compares them).
+    mask_drafts: Optional[bool] = None
     # An empty event between prefill chunks, so that a caller interleaving several generations
     # (the server's scheduler) can run others' cycles while a long prompt is read.
     yield_during_prefill: bool = False
@@ -447,9 +448,9 @@ def speculative_steps(
     mask_id = cfg.mask_token_id
     hybrid = "gdn" in runner.kinds
     # DFlash 2 drafts the grammar refuses are skipped in the selector walk (measured under a JSON
-    # schema: +18% acceptance greedy, +9% sampled at T 0.7); the walk needs the committed tokens,
-    # so no drafting ahead.
-    masked_drafts = grammar is not None and cfg.is_dflash2 and settings.mask_drafts
+    # schema: +18% acceptance greedy, +9% sampled at T 0.7). The walk needs the committed tokens:
+    # a block drafted ahead is walked once they are known.
+    masked_drafts = grammar is not None and cfg.is_dflash2 and settings.mask_drafts is not False
     prof = settings.profiler
 
     def absorb_unseen():
@@ -465,9 +466,10 @@ def speculative_steps(
 
     def draft_block(anchor: mx.array, bs: int):
         """Draft the block [anchor [1], MASK * (bs-1)] after the context cache -> (draft tokens
-        [bs-1], candidates, q) on their way to being computed (nothing is read). bs 1: no draft."""
+        [bs-1], candidates, q, the grammar's walk inputs) on their way to being computed (nothing
+        is read). bs 1: no draft."""
         if bs == 1:
-            return mx.zeros((0,), dtype=mx.int32), None, None
+            return mx.zeros((0,), dtype=mx.int32), None, None, None
         absorb_unseen()
         block = mx.concatenate([anchor, mx.full((bs - 1,), mask_id, dtype=mx.int32)])[None]
         block_embeds = runner.embed(block)
@@ -480,15 +482,13 @@ def speculative_steps(
         mx.async_eval(hidden, draft_logits)
         if prof:
             prof.mark("draft", draft_logits)
-        candidates = q = None
-        if masked_drafts:  # the grammar walks the selector's candidates, skipping refused ones
+        candidates = q = walk = None
+        if masked_drafts and (settings.mask_drafts or grammar.walk_pays):  # walked once committed (walk_block)
             walked, pairs = drafter.candidate_selector.pair_scores(hidden, draft_logits, block[:, 0])
-            if greedy:
-                draft = mx.array(grammar.greedy_path(walked[0], pairs[0]))
-            else:  # q: the selector's distribution over the allowed candidates, as drawn from
-                tokens, q = grammar.sampled_path(walked[0], pairs[0], sampling.temperature,
-                                                 mx.random.uniform(shape=(bs - 1,)))
-                draft, candidates, q = mx.array(tokens), walked[0], mx.array(q)
+            walk = (walked[0], pairs[0], None if greedy else mx.random.uniform(shape=(bs - 1,)))
+            mx.async_eval(*walk[:2])
+        if walk is not None and not greedy:
+            draft = None  # drawn on the host by the walk
         elif cfg.is_dflash2 and greedy:
             draft = drafter.select_greedy(hidden, draft_logits, block[:, 0])[0]
         elif cfg.is_dflash2:
@@ -501,16 +501,31 @@ def speculative_steps(
         else:
             q = probabilities(draft_logits[0], sampling)
             draft = sample(q)
-        draft = draft.astype(mx.int32)  # [bs-1]
-        mx.async_eval(draft)
+        if draft is not None:
+            draft = draft.astype(mx.int32)  # [bs-1]
+            mx.async_eval(draft)
         if prof:
-            prof.mark("select", draft)
-        return draft, candidates, q
+            prof.mark("select", draft if draft is not None else walk[:2])
+        return draft, candidates, q, walk
+
+    def walk_block(drafted) -> tuple[list[int], Optional[mx.array], Optional[mx.array]]:
+        """The grammar's walk of the selector's candidates -> (draft tokens [bs-1], candidates, q).
+        Done on the host when the block is verified: it needs the matcher after the commit."""
+        walked, pairs, uniforms = drafted[3]
+        draft = drafted[0]
+        if greedy:  # the selector's own path when the grammar allows all of it (no pair scores read)
+            return grammar.greedy_path(walked, pairs, unmasked=draft.tolist()), None, None
+        tokens, q = grammar.sampled_path(walked, pairs, sampling.temperature, uniforms)
+        return tokens, walked, mx.array(q)
 
     def verify_block(anchor: mx.array, drafted, seen: Optional[mx.array]):
         """The target's pass over [anchor, d1..d(bs-1)] and the acceptance test, launched (a
-        sub-generator: the pass is asked of the driver) -> (features [1, bs, F], GDN inputs for rollback, processed logits [bs, V], accepted [1], bonus [1])."""
-        draft, candidates, q = drafted
+        sub-generator: the pass is asked of the driver) -> (draft tokens [bs-1], features [1, bs, F],
+        GDN inputs for rollback, processed logits [bs, V], accepted [1], bonus [1])."""
+        draft, candidates, q, walk = drafted
+        if walk is not None:  # the grammar's walk of the selector's candidates decides the drafts
+            draft_list, candidates, q = walk_block(drafted)
+            draft = mx.array(draft_list, dtype=mx.int32)
         verify_in = mx.concatenate([anchor, draft])[None]
         # the driver runs the pass: alone, or batched with other sequences' passes; a plain step
         # keeps its row whatever follows, so it records nothing for a rollback
@@ -518,9 +533,9 @@ def speculative_steps(
         verify_logits, verify_features, recorded = verified.logits[0], verified.features, verified.recorded
         if settings.logits_processors:  # row i sees committed + d1..di, as plain decoding did
             verify_logits = apply_processors(settings.logits_processors, mx.concatenate([seen, draft]), verify_logits)
-        if grammar is not None:  # the drafts are computed before the verify pass: read them while it runs
+        if grammar is not None:  # built on the host while the device computes the pass
             mx.async_eval(verify_logits)
-            verify_logits = grammar.mask_verify(verify_logits, draft.tolist())
+            verify_logits = grammar.mask_verify(verify_logits, draft_list if walk is not None else draft.tolist())
         if prof:
             prof.mark("verify", verify_logits, verify_features)
         # Accept, on the device: the longest agreeing prefix (greedy) or rejection sampling; a
@@ -535,7 +550,7 @@ def speculative_steps(
         else:
             accepted_arr, next_tokens = rejection_step(draft, probabilities(verify_logits, sampling), q, candidates)
             accepted_arr = accepted_arr.reshape(1)
-        return verify_features, recorded, verify_logits, accepted_arr, mx.take(next_tokens, accepted_arr)
+        return draft, verify_features, recorded, verify_logits, accepted_arr, mx.take(next_tokens, accepted_arr)
 
     # The next cycle's draft (and, after a plain step, its verify pass too), when it was launched
     # before the previous cycle's host sync.
@@ -555,7 +570,7 @@ def speculative_steps(
             drafted = draft_block(anchor_in, min(planned, settings.max_tokens - len(out.tokens) + 1))
         if verified is None:
             verified = yield from verify_block(anchor_in, drafted, history())
-        (draft, _, _), (verify_features, recorded, verify_logits, accepted_arr, bonus_arr) = drafted, verified
+        draft, verify_features, recorded, verify_logits, accepted_arr, bonus_arr = verified
         drafted = verified = None
         bs = draft.shape[0] + 1
         if bs == 1:
@@ -571,7 +586,7 @@ def speculative_steps(
                 drafted = draft_block(bonus_arr, planned)
                 verified = yield from verify_block(bonus_arr, drafted, history(bonus_arr))
                 mx.async_eval(verified[-1])
-            elif bs > 1 and planned > 1 and not masked_drafts:
+            elif bs > 1 and planned > 1:  # (under a grammar its walk waits for the commit)
                 mx.async_eval(accepted_arr, bonus_arr, verify_features)
                 drafter.absorb(verify_features, context, valid=accepted_arr + 1)
                 drafted = draft_block(bonus_arr, planned)
@@ -612,8 +627,8 @@ def speculative_steps(
         # unless a verify pass was launched ahead: then it keeps just the anchor's row.
         covered = committed[:-1]
         if verified is not None:
-            cache.rollback(verified[1] or [], fed=drafted[0].shape[0] + 1, keep=1)
-            unseen.append(verified[0][:, :1])
+            cache.rollback(verified[2] or [], fed=verified[0].shape[0] + 1, keep=1)
+            unseen.append(verified[1][:, :1])
             covered = committed
         absorb_unseen()
         prefix_cache.store(PrefixEntry(tuple(covered), cache.snapshot(), context.copy(), None))

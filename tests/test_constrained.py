@@ -83,7 +83,8 @@ def test_every_constrained_output_of_a_random_model_validates_against_the_schema
 
 def test_constrained_speculative_greedy_equals_constrained_plain_greedy(hybrid_target, plain_target, schema_grammar):
     """40 random set-ups: target kind, drafter version, block size 2..16, oracle drafter corrupted
-    at random rates or a random drafter (whose drafts nearly always break the grammar)."""
+    at random rates or a random drafter (whose drafts nearly always break the grammar), drafts
+    walked under the grammar always, never, or while it pays (the default)."""
     rng = random.Random(20261203)
     targets = {"hybrid": hybrid_target, "plain": plain_target}
     accepted_counts, refused_drafts = set(), 0
@@ -106,8 +107,9 @@ def test_constrained_speculative_greedy_equals_constrained_plain_greedy(hybrid_t
             drafter.load_weights(tree_flatten(base.parameters()))
         else:
             drafter = base
+        settings.mask_drafts = random.Random(case).choice([None, True, False])
         events = list(generate_speculative(runner, drafter, prompt, settings))
-        assert _tokens(events) == plain, f"case {case}: {kind}, block {block}"
+        assert _tokens(events) == plain, f"case {case}: {kind}, block {block}, mask_drafts {settings.mask_drafts}"
         accepted_counts |= {e.accepted for e in events if e.accepted is not None}
     assert refused_drafts > 0 and {0, 1, 2, 3} <= accepted_counts and max(accepted_counts) >= 8
 
@@ -216,6 +218,113 @@ def test_the_grammar_walk_skips_refused_candidates_for_the_best_allowed_one(byte
     assert state.greedy_path(candidates, pairs) == [brace, quote, n]
     # the matcher is back at the start afterwards
     assert (state.mask_next(mx.zeros((1, tiny.VOCAB))) > -1).sum().item() == 1
+
+
+def _reference_row_masks(state, drafts, rows):
+    """The definition of the verify masks: row i is the mask after the drafts before it, one
+    ``fill`` per row, until a draft is refused or ends the text (then every token: never used)."""
+    from llguidance.numpy import fill_next_token_bitmask
+
+    bits, consumed, stops = np.zeros((rows, state.grammar.words), dtype=np.int32), 0, set(state.grammar.stop_token_ids)
+    for i in range(rows):
+        fill_next_token_bitmask(state.matcher, bits, i)
+        if not bits[i].any():
+            for t in stops:
+                bits[i, t >> 5] |= np.int32(np.uint32(1 << (t & 31)).view(np.int32))
+        if i == rows - 1:
+            break
+        d = int(drafts[i])
+        if d in stops or not (int(bits[i, d >> 5]) >> (d & 31)) & 1 or not state.matcher.consume_token(d):
+            bits[i + 1:] = -1
+            break
+        consumed += 1
+    state.matcher.rollback(consumed)
+    allowed = np.unpackbits(bits.view(np.uint8), axis=1, bitorder="little")[:, : tiny.VOCAB].astype(bool)
+    return allowed
+
+
+def _reference_greedy_walk(state, candidates, pairs):
+    """The definition of the masked greedy walk: at every row, the best-scoring candidate the
+    row's mask allows (never a stop token); with none, the best one and no mask from there on."""
+    path, prev, consumed, masking = [], 0, 0, True
+    for i in range(candidates.shape[0]):
+        order = np.argsort(-pairs[i, prev], kind="stable")
+        pick = order[0]
+        if masking:
+            allowed = _reference_row_masks(state, [], 1)[0]
+            pick = next((b for b in order if candidates[i, b] != tiny.EOS_ID and allowed[candidates[i, b]]), None)
+            if pick is None:
+                pick, masking = order[0], False
+            else:
+                state.matcher.consume_token(int(candidates[i, pick]))
+                consumed += 1
+        path.append(int(candidates[i, pick]))
+        prev = pick
+    state.matcher.rollback(consumed)
+    return path
+
+
+def test_verify_masks_and_the_greedy_walk_equal_their_row_by_row_definitions(byte_tokenizer, schema_grammar):
+    """The engine fills a verify block's masks in one native call and checks the greedy walk's
+    drafts in bulk, building a row's mask only where its best candidate is refused: both must give
+    exactly what masking every row one at a time gives, from any point of the answer, for drafts
+    that follow the grammar, break it, or end the text."""
+    rng = random.Random(11)
+    answer = byte_tokenizer.encode('{"name": "ab", "kind": "dog", "version": "v1", "tags": [true], "at": {"x": 4}}',
+                                   add_special_tokens=False)
+    near = sorted(set(answer)) + [tiny.EOS_ID, 5, 6]  # tokens that are often, not always, allowed
+    checked = refused = 0
+    for case in range(300):
+        state = schema_grammar.start()
+        start = rng.randrange(len(answer) + 1)  # up to a complete answer: then only the stop token
+        state.commit(answer[:start])
+        rows = rng.randint(1, 9)
+        drafts = [answer[start + i] if start + i < len(answer) and rng.random() < 0.75 else rng.choice(near)
+                  for i in range(rows - 1)]
+        got = np.array(state.mask_verify(mx.zeros((rows, tiny.VOCAB)), drafts)) == 0
+        assert (got == _reference_row_masks(state, drafts, rows)).all(), (case, start, drafts)
+        k = rng.randint(1, 6)
+        candidates = np.array([[rng.choice(near) for _ in range(k)] for _ in range(rows)])
+        pairs = np.array([[[rng.choice((0.0, 1.0, 2.0, 3.0)) for _ in range(k)] for _ in range(k)]
+                          for _ in range(rows)], dtype=np.float32)  # ties: the walk breaks them by slot
+        walk = state.greedy_path(candidates, pairs)
+        assert walk == _reference_greedy_walk(state, candidates, pairs), (case, start)
+        assert state.matcher.validate_tokens(answer[start:]) == len(answer) - start  # rolled back
+        checked += 1
+        prev, unmasked = 0, []
+        for i in range(rows):
+            prev = int(np.argmax(pairs[i, prev]))
+            unmasked.append(int(candidates[i, prev]))
+        refused += walk != unmasked
+    assert checked == 300 and 15 < refused < 285  # walks with refused best candidates, and without
+
+
+def test_drafts_are_walked_while_refused_drafts_end_the_accepted_run(byte_tokenizer, schema_grammar):
+    """``walk_pays``: walking is on at the start; cycles whose selector path was refused at a draft
+    the run reached keep it on, cycles with every draft allowed (or refused only after the run
+    had ended) turn it off, and refusals coming back turn it on again."""
+    answer = byte_tokenizer.encode('{"name": "ab", "kind": "dog", "version": "v1", "tags": [true, false, true], '
+                                   '"at": {"x": 42}, "extra": null}', add_special_tokens=False)
+    bad = byte_tokenizer.encode("~", add_special_tokens=False)[0]  # never allowed outside a string
+    state, at, seen = schema_grammar.start(), 0, []
+
+    def cycle(drafts, accepted):  # verify masks for these drafts, then the commit of accepted + bonus
+        nonlocal at
+        state.mask_verify(mx.zeros((len(drafts) + 1, tiny.VOCAB)), drafts)
+        state.commit(answer[at: at + accepted + 1])
+        at += accepted + 1
+        seen.append(state.walk_pays)
+
+    assert state.walk_pays
+    for _ in range(3):  # refused at draft 1, and the run reached it: the walk could have helped
+        cycle([answer[at], bad, answer[at + 2]], 1)
+    assert seen == [True] * 3
+    for _ in range(6):  # all allowed; then refused after the run had ended at draft 0: neither counts
+        cycle(answer[at: at + 2] if len(seen) % 2 else [answer[at], answer[at + 1], bad], 1 if len(seen) % 2 else 0)
+    assert seen[-1] is False
+    for _ in range(3):
+        cycle([bad, answer[at + 1]], 0)
+    assert seen[-1] is True
 
 
 def test_the_sampled_grammar_walk_draws_only_allowed_candidates_from_the_renormalised_q(byte_tokenizer):
