@@ -13,10 +13,13 @@
 Per cell: decode tok/s, acceptance length (cycle tokens / speculative cycles) and speedup over
 plain decoding, measured in the same run. After an untimed warm-up of every mode (which also
 calibrates the controller and gives it the pair's history at that temperature, as any earlier
-request would), ``--repeats`` rounds run every mode on every prompt back to back, in an order that
-rotates from run to run. A round's speedup is the mode's decode tok/s over plain decoding's in
-that round (tok/s: the round's tokens over its decode seconds); the cell reports the median over
-the rounds, and its spread (lowest, highest). On a shared machine one run of a second or two can
+request would), ``--repeats`` rounds run every mode on every prompt, in an order that rotates
+from prompt to prompt, each mode right next to a plain-decoding run of its own (before it or
+after it, alternating). A round's speedup is the mode's decode tok/s over its own plain runs'
+in that round (tok/s: the round's tokens over its decode seconds); the cell reports the median
+over the rounds, and its spread (lowest, highest). Pairing each mode with the plain run beside
+it, rather than with one plain run per prompt, keeps a slow spell or what the previous run left
+in memory from landing on one mode only. On a shared machine one run of a second or two can
 be 30% off in either direction; pairing each mode with the plain runs of its own round and taking
 the median is what makes a 3% bar measurable.
 """
@@ -55,23 +58,30 @@ def cell_rows(target, drafter, prompts: list[list[int]], temperature: float, max
     modes = [m for m in MODES if m == "plain" or m == "auto" or int(m) <= drafter.config.block_size]
     for mode in modes:  # warm-up
         run_mode(target, drafter, prompts[0], mode, temperature, min(max_tokens, 32), 0)
-    runs = {m: [[] for _ in range(repeats)] for m in modes}  # mode -> round -> stats per prompt
+    others = [m for m in modes if m != "plain"]
+    # mode -> round -> stats per prompt; paired: mode -> round -> the plain runs beside them
+    runs = {m: [[] for _ in range(repeats)] for m in others}
+    paired = {m: [[] for _ in range(repeats)] for m in others}
     turn = 0
     for r in range(repeats):
         for i, ids in enumerate(prompts):
-            order = modes[turn % len(modes):] + modes[: turn % len(modes)]
+            order = others[turn % len(others):] + others[: turn % len(others)]
             turn += 1
-            for mode in order:
-                runs[mode][r].append(run_mode(target, drafter, ids, mode, temperature, max_tokens, seed=i))
+            for mode in order:  # each mode right next to a plain run of its own, before or after it
+                pair = (mode, "plain") if (r + i) % 2 else ("plain", mode)
+                for m in pair:
+                    stats = run_mode(target, drafter, ids, m, temperature, max_tokens, seed=i)
+                    (paired if m == "plain" else runs)[mode][r].append(stats)
 
     def tps(stats) -> float:  # a round's decode tokens over its decode seconds
         seconds = sum(s.decode_seconds for s in stats)
         return sum(max(s.generation_tokens - 1, 0) for s in stats) / seconds if seconds else 0.0
 
-    plain = [tps(rnd) for rnd in runs["plain"]]
-    out = {}
+    all_plain = [[s for m in others for s in paired[m][r]] for r in range(repeats)]
+    out = {"plain": {"decode_tps": statistics.median(tps(rnd) for rnd in all_plain), "acceptance_length": 1.0,
+                     "speedup": 1.0, "speedup_range": [1.0, 1.0], "controller": None}}
     for mode, rounds in runs.items():
-        ratios = [tps(rnd) / p if p else 0.0 for rnd, p in zip(rounds, plain)]
+        ratios = [tps(rnd) / tps(p) if tps(p) else 0.0 for rnd, p in zip(rounds, paired[mode])]
         flat = [s for rnd in rounds for s in rnd]
         cycles = sum(s.verify_steps for s in flat)
         out[mode] = {

@@ -38,7 +38,7 @@ from dataclasses import dataclass, field
 from typing import Optional, Protocol, Sequence
 
 PLAIN = 1
-PROBE_BUDGET = 0.02  # of decode time; the documented bound (3%) leaves room for one mispredicted probe
+PROBE_BUDGET = 0.01  # of decode time; the documented bound (3%) leaves room for mispredicted probes
 PRIOR_RATE = 0.9  # conditional acceptance assumed for a pair with no history yet: speculate first, then learn
 PRIOR_WEIGHT = 2.0  # the pair's history counts as at most this many cycles of the request's own
 SMOOTHING = 1.0  # cycles' worth of pull of each position's rate towards the previous position's

@@ -508,11 +508,11 @@ def speculative_steps(
             prof.mark("select", draft if draft is not None else walk[:2])
         return draft, candidates, q, walk
 
-    def walk_block(drafted) -> tuple[list[int], Optional[mx.array], Optional[mx.array]]:
-        """The grammar's walk of the selector's candidates -> (draft tokens [bs-1], candidates, q).
-        Done on the host when the block is verified: it needs the matcher after the commit."""
-        walked, pairs, uniforms = drafted[3]
-        draft = drafted[0]
+    def walk_block(draft: Optional[mx.array], walk) -> tuple[list[int], Optional[mx.array], Optional[mx.array]]:
+        """The grammar's walk of the selector's candidates (walk: candidates [bs-1, k], pair
+        scores, uniforms) -> (draft tokens [bs-1], candidates, q). Done on the host when the block
+        is verified: it needs the matcher after the commit."""
+        walked, pairs, uniforms = walk
         if greedy:  # the selector's own path when the grammar allows all of it (no pair scores read)
             return grammar.greedy_path(walked, pairs, unmasked=draft.tolist()), None, None
         tokens, q = grammar.sampled_path(walked, pairs, sampling.temperature, uniforms)
@@ -524,7 +524,7 @@ def speculative_steps(
         GDN inputs for rollback, processed logits [bs, V], accepted [1], bonus [1])."""
         draft, candidates, q, walk = drafted
         if walk is not None:  # the grammar's walk of the selector's candidates decides the drafts
-            draft_list, candidates, q = walk_block(drafted)
+            draft_list, candidates, q = walk_block(draft, walk)
             draft = mx.array(draft_list, dtype=mx.int32)
         verify_in = mx.concatenate([anchor, draft])[None]
         # the driver runs the pass: alone, or batched with other sequences' passes; a plain step
