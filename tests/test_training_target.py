@@ -316,3 +316,19 @@ def test_assets_api_points_into_the_package_or_says_how_to_build_the_pair():
     prompts = assets.demo_prompts()
     assert prompts and all(isinstance(p, str) and p for p in prompts)
     assert assets.manifest()["name"] == assets.DEMO_NAME
+
+
+def test_the_ablation_trains_on_the_builds_own_drafter_data_and_caches_it(tmp_path):
+    """The ablation's drafters see exactly what the build's drafter does (greedy then sampled
+    continuations of the embedded target), generated once per work directory."""
+    from dflash2_mlx.assets import demo_target_path
+    from dflash2_mlx.loading import load_target
+    from dflash2_mlx.training import ablation
+
+    plan = build.QUICK
+    target = load_target(str(demo_target_path()))
+    seqs, prompts = ablation.training_data(plan, target, tmp_path, build.Log())
+    assert seqs.shape == (plan.drafter_sequences + plan.drafter_sampled_sequences, plan.prefix_len + plan.continuation_len)
+    assert len(prompts) == plan.num_prompts
+    again, _ = ablation.training_data(plan, target, tmp_path, build.Log())
+    assert (again == seqs).all() and len(list(tmp_path.glob("drafter_data_*.npy"))) == 1

@@ -3,7 +3,8 @@
     python -m dflash2_mlx.training.ablation --steps 800 --json docs/ablation.json
 
 Variants, each trained from the same initialisation seed on the same data (the embedded target's
-own greedy continuations, generated exactly as the demo build does) for the same number of steps:
+own greedy and sampled continuations, generated exactly as the demo build does, with its soft
+targets) for the same number of steps:
 
     DFlash 1        no convolutions, no selector (independent per-position argmax)
     + selector      the candidate selector, no convolutions
@@ -42,15 +43,15 @@ def training_data(plan, target, work: Path, log) -> tuple[np.ndarray, list[dict]
     """The demo build's drafter data and held-out prompts (cached in ``work``: generation takes minutes)."""
     from . import build_demo_pair as bd
     from . import corpus as corpus_mod
-    from .data import generate_training_sequences
 
     files, train, held = bd.build_corpus(plan, log)
     tok = bd.build_tokenizer(plan, train, work / "tokenizer", log)
-    docs, _, _ = bd.build_documents(tok, train, held, log)
+    docs, _, _ = bd.build_documents(plan, tok, train, held, log)
     prompts = corpus_mod.prompt_prefixes(held, plan.num_prompts)
     key = hashlib.sha256(json.dumps([
         corpus_mod.manifest(files)["list_sha256"], bd.sha256_file(work / "tokenizer" / "tokenizer.json"),
-        plan.drafter_sequences, plan.prefix_len, plan.continuation_len, plan.seed + 1,
+        plan.drafter_sequences, plan.drafter_sampled_sequences, plan.drafter_sample_temperature,
+        plan.prefix_len, plan.continuation_len, plan.seed + 1,
         bd.sha256_file(Path(target.path) / "model.safetensors"),
     ]).encode()).hexdigest()[:16]
     cached = work / f"drafter_data_{key}.npy"
@@ -58,9 +59,7 @@ def training_data(plan, target, work: Path, log) -> tuple[np.ndarray, list[dict]
         log(f"drafter data: reusing {cached}")
         return np.load(cached), prompts
     t0 = time.perf_counter()
-    seqs = generate_training_sequences(
-        target, docs, plan.drafter_sequences, plan.prefix_len, plan.continuation_len, plan.seed + 1,
-    )
+    seqs = bd.drafter_data(plan, target, docs)
     np.save(cached, seqs)
     log(f"drafter data: {seqs.shape[0]} sequences in {time.perf_counter() - t0:.0f}s")
     return seqs, prompts

@@ -271,15 +271,11 @@ def build_target(plan: BuildPlan, tok, docs, held_docs, tok_dir: Path, out_dir: 
     }
 
 
-def build_drafter(plan: BuildPlan, target, docs, work: Path, log: Log) -> dict:
-    try:
-        from .data import generate_training_sequences
-        from .drafter_trainer import DrafterTrainingConfig, train_drafter
-    except ImportError as e:
-        raise SystemExit(
-            f"the drafter trainer is not available ({e}); the target is built, the drafter is not"
-        ) from None
-    t0 = time.perf_counter()
+def drafter_data(plan: BuildPlan, target, docs) -> np.ndarray:
+    """The drafter's training sequences [N, prefix_len + continuation_len]: corpus prefixes with
+    the target's greedy continuations (seed plan.seed + 1), then sampled ones (plan.seed + 2)."""
+    from .data import generate_training_sequences
+
     seqs = generate_training_sequences(
         target, docs, plan.drafter_sequences, plan.prefix_len, plan.continuation_len, plan.seed + 1,
     )
@@ -289,6 +285,18 @@ def build_drafter(plan: BuildPlan, target, docs, work: Path, log: Log) -> dict:
             temperature=plan.drafter_sample_temperature,
         )
         seqs = np.concatenate([seqs, sampled])
+    return seqs
+
+
+def build_drafter(plan: BuildPlan, target, docs, work: Path, log: Log) -> dict:
+    try:
+        from .drafter_trainer import DrafterTrainingConfig, train_drafter
+    except ImportError as e:
+        raise SystemExit(
+            f"the drafter trainer is not available ({e}); the target is built, the drafter is not"
+        ) from None
+    t0 = time.perf_counter()
+    seqs = drafter_data(plan, target, docs)
     gen_seconds = time.perf_counter() - t0
     log(f"drafter data: {seqs.shape[0]} sequences ({plan.drafter_sampled_sequences} sampled at "
         f"t={plan.drafter_sample_temperature}) of {plan.prefix_len} corpus + {plan.continuation_len} "
