@@ -3,7 +3,6 @@ output equal to its solo run, and a short request answered beside a long stream.
 
 from __future__ import annotations
 
-import statistics
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -38,16 +37,17 @@ def model_name(base: str) -> str:
     return httpx.get(base + "/v1/models", timeout=10).json()["data"][0]["id"]
 
 
-def test_a_short_request_beside_a_long_stream_is_answered_within_3x_its_solo_latency(server):
+def test_a_short_request_beside_a_long_stream_is_answered_while_the_stream_has_moved_on_little(server):
+    """Fairness counted in the long stream's own chunks, not in seconds (a machine's speed must
+    not decide the test): while the 16-token request is answered, the 1500-token stream beside it
+    advances by a few chunks per short-request cycle, not by the whole stream (first come, first
+    served) nor by many chunks per cycle (a scheduler that starves the newcomer)."""
     name = model_name(server.base)
     short_prompt, long_prompt = "def add(a, b):", "class Parser:\n    def __init__(self"
     complete(server.base, short_prompt, 16, model=name)  # warm-up
-    solo_times = []
-    for _ in range(3):
-        t0 = time.perf_counter()
-        short_solo = complete(server.base, short_prompt, 16, model=name)
-        solo_times.append(time.perf_counter() - t0)
-    solo = statistics.median(solo_times)
+    t0 = time.perf_counter()
+    short_solo = complete(server.base, short_prompt, 16, model=name)
+    solo = time.perf_counter() - t0  # for the failure message only
     long_solo = complete(server.base, long_prompt, 1500, model=name)
     assert long_solo["usage"]["completion_tokens"] == 1500
 
@@ -66,13 +66,15 @@ def test_a_short_request_beside_a_long_stream_is_answered_within_3x_its_solo_lat
     reader = threading.Thread(target=stream_long)
     reader.start()
     assert started.wait(120), "the long stream did not start"
-    t0 = time.perf_counter()
+    t0, before = time.perf_counter(), len(chunks)
     short_beside = complete(server.base, short_prompt, 16, model=name)
-    beside = time.perf_counter() - t0
+    beside, during = time.perf_counter() - t0, len(chunks) - before
     still_streaming = reader.is_alive()
     reader.join(300)
     assert still_streaming, "the long stream ended before the short request was answered: make it longer"
-    assert beside <= 3 * solo + 0.5, (beside, solo)
+    # 16 tokens take at most 16 cycles of the short request; the HTTP round trip lets the stream
+    # run on a little too (7 chunks here). First come first served, it would be all ~390 of them.
+    assert during <= 100, (during, len(chunks), beside, solo)
     assert short_beside["choices"][0]["text"] == short_solo["choices"][0]["text"]
     long_text = "".join(c["choices"][0]["text"] for c in chunks if c.get("choices"))
     assert long_text == long_solo["choices"][0]["text"]
