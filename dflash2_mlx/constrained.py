@@ -213,8 +213,10 @@ class GrammarState:
         self._reasoning = bool(self._end)  # inside the reasoning block: nothing is masked yet
         self._tail: list[int] = []  # the last tokens while reasoning (to see the block close)
         self.refusal_rate = REFUSAL_PRIOR  # share of recent cycles a refused draft held back
-        self._walk_refused_at: Optional[int] = None  # the walk's finding: where the selector's path was refused
-        self._pending: Optional[int] = None  # that row, until the commit says how much was accepted
+        # where the selector's own path was refused: found by the walk (else by mask_verify), then
+        # kept until the commit says whether the accepted run reached it
+        self._walk_refused_at: Optional[int] = None
+        self._pending: Optional[int] = None
 
     @property
     def walk_pays(self) -> bool:
@@ -224,9 +226,6 @@ class GrammarState:
 
     def _observe_refusal(self, refused: float) -> None:
         self.refusal_rate += REFUSAL_WEIGHT * (refused - self.refusal_rate)
-
-    def _walk_found(self, refused_at: int) -> None:
-        self._walk_refused_at = refused_at
 
     def _fill(self, row: int) -> None:
         from llguidance.numpy import fill_next_token_bitmask
@@ -240,10 +239,11 @@ class GrammarState:
         for t in self.grammar.stop_token_ids:
             self._bits[empty, t >> 5] |= np.int32(np.uint32(1 << (t & 31)).view(np.int32))
 
-    def _allowed_prefix(self, tokens: Sequence[int]) -> int:
+    def _allowed_prefix(self, tokens: Sequence[int], valid: Optional[int] = None) -> int:
         """How many of ``tokens`` the matcher takes in a row, stopping before a stop token (it ends
-        the text); the matcher is not moved. Far cheaper than a mask per token."""
-        n = self.matcher.validate_tokens(list(tokens))
+        the text); the matcher is not moved. Far cheaper than a mask per token. ``valid``: the
+        matcher's ``validate_tokens(tokens)``, when known."""
+        n = self.matcher.validate_tokens(list(tokens)) if valid is None else valid
         return next((i for i, t in enumerate(tokens[:n]) if t in self._stops), n)
 
     def _ensure_rows(self, rows: int) -> None:
@@ -291,10 +291,10 @@ class GrammarState:
         # Rows first..first+n follow the drafts the grammar takes; a refused draft (or a stop
         # token, which ends the text) is rejected whatever follows, so later rows never count.
         body = drafts[first:]
-        taken = body[: self._allowed_prefix(body)]
+        valid = self.matcher.validate_tokens(body) if body else 0
+        taken = body[: self._allowed_prefix(body, valid)]
         if body:  # where the selector's own path was refused (len(body): nowhere), for the commit
-            found = self._walk_refused_at
-            found = found if found is not None else self.matcher.validate_tokens(body)
+            found = self._walk_refused_at if self._walk_refused_at is not None else valid
             self._pending = first + found if found < len(body) else rows  # rows: never reached
         self._walk_refused_at = None
         if taken:  # one native call fills every row (advancing along the drafts and back), without the GIL
@@ -321,7 +321,7 @@ class GrammarState:
             if self._reasoning:
                 return unmasked
             if self._allowed_prefix(unmasked) == len(unmasked):
-                self._walk_found(len(unmasked))
+                self._walk_refused_at = len(unmasked)
                 return unmasked
         candidates = np.asarray(candidates)
         pairs = np.asarray(pairs.astype(mx.float32) if isinstance(pairs, mx.array) else pairs)
@@ -340,7 +340,7 @@ class GrammarState:
                 break
             n = self._allowed_prefix(tokens)
             if not path:  # the selector's own path: refused or not
-                self._walk_found(self.matcher.validate_tokens(tokens))
+                self._walk_refused_at = self.matcher.validate_tokens(tokens)
             self.matcher.consume_tokens(tokens[:n])
             path, consumed = path + tokens[:n], consumed + n
             if n == len(tokens):
@@ -411,7 +411,7 @@ class GrammarState:
             prev = pick
         self.matcher.rollback(consumed)
         if observed:
-            self._walk_found(rows if refused_at is None else refused_at)
+            self._walk_refused_at = rows if refused_at is None else refused_at
         return path, q
 
     def _allows(self, row: int, token: int) -> bool:
