@@ -39,6 +39,7 @@ from .common import (
     read_json_schema,
     schema_grammar,
 )
+from .line_reader import read_line_function
 
 DEFAULT_MAX_TOKENS = 2048  # when neither --max-tokens nor the model's generation_config.json sets one
 
@@ -242,6 +243,7 @@ class ChatSession:
         tok = self.tokenizer
         has = getattr(tok, "has_thinking", False)
         self.tags = (tok.think_start, tok.think_end) if has and tok.think_start and tok.think_end else ("<think>", "</think>")
+        self.read_line, self.clear_input = read_line_function()
 
     # -- conversation -------------------------------------------------------------------------
 
@@ -466,7 +468,7 @@ class ChatSession:
         while True:
             prompt = "... " if (lines or paste) else ">>> "
             try:
-                line = input(prompt)
+                line = self.read_line(prompt)
             except EOFError:
                 if lines or paste:
                     return "\n".join(lines)
@@ -474,6 +476,7 @@ class ChatSession:
             except KeyboardInterrupt:
                 self.console.print("\n(input cleared; /exit or Ctrl-D leaves)", style="dim")
                 lines, paste = [], False
+                self.clear_input()
                 continue
             if paste:
                 if line.strip() == '"""':
@@ -490,7 +493,8 @@ class ChatSession:
     def run(self) -> None:
         # No GNU readline: with it, Ctrl-C at the prompt after an interrupted answer left the
         # terminal raw and unread about one time in five (reproduced with pexpect; the process
-        # sat idle in input()). The terminal's own line editing (backspace, ^U) still works.
+        # sat idle in input()). Lines come from cli/line_reader.py, which Ctrl-C interrupts
+        # whichever thread takes the signal; the terminal's own line editing (backspace, ^U) works.
         while True:
             text = self.read_message()
             if text is None:
