@@ -528,8 +528,9 @@ only makes sense with that target; it is a demonstration of the method, not a us
 - DFlash 2 block drafter: {tr.get('layers')} layers, block size {tr.get('block_size')}, two-tap dynamic
   convolutions and the candidate selector, taps target layers {tr.get('target_layer_ids')}, mask token
   `<|mask|>`, float32. It shares the target's embedding and LM head (not stored here).
-- Trained with the project's own trainer on the target's own greedy continuations of
-  stdlib prefixes ({d.get('data', {}).get('sequences')} sequences, {tr.get('steps')} steps).
+- Trained with the project's own trainer on the target's own continuations of stdlib prefixes
+  ({_data_line(d.get('data', {}))}, {tr.get('steps')} steps{_soft_line(tr)}).
+- What each DFlash 2 part buys at this scale: `docs/embedded-pair.md`, "Ablation".
 - Acceptance length on {e['prompts']} held-out prompts, block size {e['block_size']}:
   {_num(e.get('acceptance_length_t0'))} at temperature 0 (output identical to plain decoding:
   {e.get('identical_to_autoregressive')}), {_num(e.get('acceptance_length_t07'))} at temperature
@@ -537,6 +538,19 @@ only makes sense with that target; it is a demonstration of the method, not a us
 
 Built by `{m['command']}` (seed {m['seed']}); see `../MANIFEST.json`.
 """
+
+
+def _data_line(data: dict) -> str:
+    sampled = data.get("sampled_sequences") or 0
+    total = data.get("sequences")
+    if not sampled:
+        return f"{total} greedy sequences"
+    return f"{total} sequences: {total - sampled} greedy, {sampled} sampled at t={data.get('sample_temperature')}"
+
+
+def _soft_line(training: dict) -> str:
+    weight = training.get("soft_target_weight")
+    return f", soft targets: the target's full distributions at weight {weight}" if weight else ""
 
 
 def _defaults_line(m: dict) -> str:
