@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import re
 import time
 import sys
@@ -18,10 +19,16 @@ STATS = re.compile(r"(\d+) tokens · [\d.]+ tok/s · acceptance [\d.]+ · first 
 ANSI = re.compile(r"\x1b\[[0-9;?]*[A-Za-z]")
 
 
+def _as_a_terminal_starts_it():
+    # A shell gives a command it runs in the foreground the default Ctrl-C; a suite started from a
+    # background job (nohup, `cmd &`) has SIGINT ignored, which the chat would inherit and honour.
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def spawn(*args, timeout=90):
     env = dict(os.environ, TERM="xterm", COLUMNS="120", LINES="40", PYTHONUNBUFFERED="1")
     child = pexpect.spawn(sys.executable, ["-m", "dflash2_mlx", "chat", *args], env=env, encoding="utf-8",
-                          timeout=timeout, dimensions=(40, 120))
+                          timeout=timeout, dimensions=(40, 120), preexec_fn=_as_a_terminal_starts_it)
     child.expect_exact(">>> ")
     return child
 

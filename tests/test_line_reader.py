@@ -42,11 +42,13 @@ def test_sigint_taken_by_another_thread_interrupts_the_wait(pipe):
     reader = LineReader(r)
     previous = signal.signal(signal.SIGINT, signal.default_int_handler)
 
+    done = threading.Event()
+
     def other_thread():
         time.sleep(0.2)
         signal.pthread_kill(threading.get_ident(), signal.SIGINT)  # delivered to this thread
-        time.sleep(5)
-        os.write(w, b"too late\n")  # only reached if the read was not interrupted
+        if not done.wait(5):
+            os.write(w, b"too late\n")  # only reached if the read was not interrupted
 
     helper = threading.Thread(target=other_thread, daemon=True)
     helper.start()
@@ -56,6 +58,8 @@ def test_sigint_taken_by_another_thread_interrupts_the_wait(pipe):
             reader.read("")
         assert time.perf_counter() - started < 4.0  # interrupted, not woken by the late line
     finally:
+        done.set()
+        helper.join()
         signal.signal(signal.SIGINT, previous)
     reader.clear()
     os.write(w, b"next\n")
