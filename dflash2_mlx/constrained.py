@@ -209,6 +209,7 @@ class GrammarState:
         self.matcher = llguidance.LLMatcher(grammar.llg_tokenizer, grammar.grammar, log_level=0)
         self._bits = np.zeros((16, grammar.words), dtype=np.int32)  # [rows, words]: one bit per token
         self._stops = set(grammar.stop_token_ids)
+        self._stop_array = np.array(sorted(self._stops), dtype=np.int64)
         self._end = grammar.reasoning_end
         self._reasoning = bool(self._end)  # inside the reasoning block: nothing is masked yet
         self._tail: list[int] = []  # the last tokens while reasoning (to see the block close)
@@ -338,9 +339,10 @@ class GrammarState:
             if not masking:
                 path += tokens
                 break
-            n = self._allowed_prefix(tokens)
+            valid = self.matcher.validate_tokens(tokens)
+            n = self._allowed_prefix(tokens, valid)
             if not path:  # the selector's own path: refused or not
-                self._walk_refused_at = self.matcher.validate_tokens(tokens)
+                self._walk_refused_at = valid
             self.matcher.consume_tokens(tokens[:n])
             path, consumed = path + tokens[:n], consumed + n
             if n == len(tokens):
@@ -349,8 +351,8 @@ class GrammarState:
             # row i's best candidate is refused: take the best one its mask allows
             self._fill(i)
             order = np.argsort(-pairs[i, prev], kind="stable")
-            pick = next((b for b in order if int(candidates[i, b]) not in self._stops
-                         and self._allows(i, int(candidates[i, b]))), None)
+            allowed = self._allowed_candidates(i, candidates[i])
+            pick = next((b for b in order if allowed[b]), None)
             if pick is None or not self.matcher.consume_token(int(candidates[i, pick])):
                 pick, masking = order[0], False
             else:
@@ -380,13 +382,12 @@ class GrammarState:
         self._ensure_rows(rows)
         path, prev, consumed, masking = [], 0, 0, not self._reasoning
         q = np.zeros((rows, k), dtype=np.float32)
-        stops = np.array(sorted(self._stops), dtype=np.int64)
         refused_at, observed = None, masking  # the first row whose unmasked draw is refused
         for i in range(rows):
             allowed = np.ones(k, dtype=np.bool_)
             if masking:
                 self._fill(i)
-                allowed = self._allows_all(i, candidates[i]) & ~np.isin(candidates[i], stops)
+                allowed = self._allowed_candidates(i, candidates[i])
                 if not allowed.any():
                     allowed[:], masking = True, False
             scaled = pairs[i, prev] / temperature
@@ -417,13 +418,15 @@ class GrammarState:
     def _allows(self, row: int, token: int) -> bool:
         return token >> 5 < self._bits.shape[1] and bool((int(self._bits[row, token >> 5]) >> (token & 31)) & 1)
 
-    def _allows_all(self, row: int, tokens: np.ndarray) -> np.ndarray:
-        """``_allows`` for an array of tokens at once -> bool array of the same shape."""
+    def _allowed_candidates(self, row: int, tokens: np.ndarray) -> np.ndarray:
+        """Which of a walk row's candidate ``tokens`` its mask allows, stop tokens excluded (a
+        draft never ends the text) -> bool array of the same shape."""
         tokens = np.asarray(tokens, dtype=np.int64)
         words = tokens >> 5
         inside = words < self._bits.shape[1]
         bits = self._bits[row].view(np.uint32)[np.where(inside, words, 0)]
-        return inside & ((bits >> (tokens & 31).astype(np.uint32)) & 1).astype(np.bool_)
+        allowed = inside & ((bits >> (tokens & 31).astype(np.uint32)) & 1).astype(np.bool_)
+        return allowed & ~np.isin(tokens, self._stop_array)
 
     def commit(self, tokens: Sequence[int]) -> None:
         """Advance by emitted tokens (each was allowed by the mask it was picked under). After a
