@@ -24,8 +24,10 @@ distribution, whatever its size), so a policy only trades speed.
   otherwise only the calibration's, which a noisy machine can get wrong). Probes are paid from a budget: a probe is
   allowed only while the time all probes cost beyond the plain steps they replace (measured, in
   the worst case that nothing is accepted) stays under ``PROBE_BUDGET`` of this request's decode
-  time so far, including the probe's own predicted excess. The bound can be exceeded only by the
-  misprediction of a single probe, which then delays the next one.
+  time so far, including the probe's own predicted excess (the larger of its cost table's
+  excess and the mean measured excess of this request's probes so far), and only one probe is in
+  flight at a time. The bound can be exceeded only by the misprediction of a single probe, which
+  then delays the next one.
 """
 
 from __future__ import annotations
@@ -285,6 +287,7 @@ class BreakEvenController:
         self.probe_budget = probe_budget
         self.decode_seconds = 0.0  # this request's timed cycles
         self.probe_excess = 0.0  # what probes cost beyond the plain steps they replaced
+        self.probe_count = 0
         self.mode = None  # "speculative" / "plain"; None before the first choice
         self.last_switch: Optional[str] = None
         self.probes: deque[bool] = deque()  # per chosen, not yet observed cycle: is it a probe
@@ -338,7 +341,12 @@ class BreakEvenController:
             return b
         self._switch("plain", f"the best block ({b}) expects {e:.2f} tokens per {steps} plain steps"
                      f" ({ratio:.2f}x plain)", context_len)
-        probe = self.probe_excess + (cost - step) <= self.probe_budget * (self.decode_seconds + cost)
+        # One probe at a time (the loop chooses a cycle ahead: a second would be paid before the
+        # first's outcome is known), priced at what this request's probes really cost: a probe
+        # after a plain stretch runs a cold drafter and costs more than the cycles it was timed on.
+        predicted = max(cost - step, self.probe_excess / self.probe_count if self.probe_count else 0.0)
+        probe = not any(self.probes) and \
+            self.probe_excess + predicted <= self.probe_budget * (self.decode_seconds + cost)
         self.probes.append(probe)
         return b if probe else PLAIN
 
@@ -364,6 +372,7 @@ class BreakEvenController:
         if self.probes.popleft():
             step = self.costs.estimate(PLAIN, context_len) or 0.0
             self.probe_excess += max(0.0, seconds - step)
+            self.probe_count += 1
             self.tally.add("probe", block_size, accepted + 1)
         else:
             self.tally.add("speculative" if block_size > PLAIN else "plain", block_size, accepted + 1)

@@ -452,6 +452,11 @@ def speculative_steps(
     # a block drafted ahead is walked once they are known.
     masked_drafts = grammar is not None and cfg.is_dflash2 and settings.mask_drafts is not False
     prof = settings.profiler
+    # A plain step's draft and acceptance, computed once: on this machine's CPU every op costs a
+    # few microseconds of the cores the target's step runs on, and plain steps are most of a
+    # request where speculation does not pay (the controller then must not cost speed).
+    no_draft, none_accepted = mx.zeros((0,), dtype=mx.int32), mx.zeros((1,), dtype=mx.int32)
+    mx.eval(no_draft, none_accepted)
 
     def absorb_unseen():
         if unseen:
@@ -469,7 +474,7 @@ def speculative_steps(
         [bs-1], candidates, q, the grammar's walk inputs) on their way to being computed (nothing
         is read). bs 1: no draft."""
         if bs == 1:
-            return mx.zeros((0,), dtype=mx.int32), None, None, None
+            return no_draft, None, None, None
         absorb_unseen()
         block = mx.concatenate([anchor, mx.full((bs - 1,), mask_id, dtype=mx.int32)])[None]
         block_embeds = runner.embed(block)
@@ -526,7 +531,7 @@ def speculative_steps(
         if walk is not None:  # the grammar's walk of the selector's candidates decides the drafts
             draft_list, candidates, q = walk_block(draft, walk)
             draft = mx.array(draft_list, dtype=mx.int32)
-        verify_in = mx.concatenate([anchor, draft])[None]
+        verify_in = mx.concatenate([anchor, draft])[None] if draft.shape[0] else anchor.reshape(1, 1)
         # the driver runs the pass: alone, or batched with other sequences' passes; a plain step
         # keeps its row whatever follows, so it records nothing for a rollback
         verified = yield VerifyRequest(verify_in, cache, taps, record=hybrid and draft.shape[0] > 0)
@@ -541,8 +546,8 @@ def speculative_steps(
         # Accept, on the device: the longest agreeing prefix (greedy) or rejection sampling; a
         # plain step (no draft) picks from its one row exactly as plain decoding does.
         if not draft.shape[0]:
-            accepted_arr = mx.zeros((1,), dtype=mx.int32)
-            next_tokens = mx.argmax(verify_logits, axis=-1) if greedy else sample(probabilities(verify_logits, sampling))
+            bonus = mx.argmax(verify_logits, axis=-1) if greedy else sample(probabilities(verify_logits, sampling))
+            return draft, verify_features, recorded, verify_logits, none_accepted, bonus
         elif greedy:
             next_tokens = mx.argmax(verify_logits, axis=-1)  # [bs]
             agree = (draft == next_tokens[:-1]).astype(mx.int32)

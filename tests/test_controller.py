@@ -86,6 +86,33 @@ def test_a_poor_pair_decodes_plainly_and_probes_within_the_budget():
     assert tokens / seconds > 0.97  # never much slower than plain decoding
 
 
+def test_probes_go_one_at_a_time_and_are_priced_at_what_they_really_cost():
+    # The loop chooses a cycle before it observes the one before, as the engine does; a probe
+    # after a plain stretch runs a cold drafter: here it costs twice its cost table's figure.
+    profile = _profile(step=1.0, per_row=0.1, base=2.4)
+    controller = BreakEvenController(profile, MAX_BLOCK, greedy=True, temperature=0.0)
+    rng = random.Random(3)
+    planned, context, sizes, seconds, probe_seconds = controller.choose(16), 16, [], 0.0, 0.0
+    for _ in range(4000):
+        b = planned
+        accepted = sum(1 for _ in range(b - 1) if rng.random() < 0.1) if b > PLAIN else 0
+        cold = b > PLAIN and sizes and sizes[-1] == PLAIN
+        t = 1.0 if b == PLAIN else (2.4 + 0.1 * b) * (2.0 if cold else 1.0)
+        planned = controller.choose(context + accepted + 1)  # before this cycle's outcome is known
+        probe = controller.probes[0]
+        controller.observe(b, accepted, t, context)
+        if probe:
+            probe_seconds += t - 1.0
+        sizes.append(b)
+        seconds += t
+        context += accepted + 1
+    later = sizes[200:]
+    assert not any(a > PLAIN and b > PLAIN for a, b in zip(later, later[1:]))  # never two probes in a row
+    assert sum(1 for b in later if b > PLAIN) >= 5  # it keeps looking
+    assert probe_seconds / seconds <= 0.015  # the 1% budget, overrun by at most one probe
+    assert controller.summary()["probe_share_of_decode_time"] == pytest.approx(probe_seconds / seconds, rel=0.05)
+
+
 def test_probes_notice_when_acceptance_recovers():
     profile = _profile(step=1.0, per_row=0.1, base=1.0)
     controller = BreakEvenController(profile, MAX_BLOCK, greedy=True, temperature=0.0)
