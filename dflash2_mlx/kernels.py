@@ -384,25 +384,17 @@ PLANNERS: dict[str, Callable[..., Plan | None]] = {
 
 
 def load_source(spec: KernelSpec | str) -> str:
-    """The body text of a kernel: package data ``dflash2_mlx.metal`` when installed, else the
-    repository's top-level ``metal/`` folder next to the package (running from the source tree)."""
+    """The body text of a kernel: package data in ``dflash2_mlx/metal/``."""
     if isinstance(spec, str):
         spec = KERNEL_SPECS[spec]
-    try:
-        from importlib.resources import files
+    from importlib.resources import files
 
-        resource = files("dflash2_mlx.metal").joinpath(spec.filename)
-        if resource.is_file():
-            return resource.read_text(encoding="utf-8")
-    except (ImportError, ModuleNotFoundError, FileNotFoundError, NotADirectoryError, TypeError):
-        pass
-    path = Path(__file__).resolve().parent.parent / "metal" / spec.filename
-    if not path.is_file():
+    resource = files("dflash2_mlx.metal").joinpath(spec.filename)
+    if not resource.is_file():
         raise FileNotFoundError(
-            f"Metal kernel source {spec.filename!r} not found in package data "
-            f"'dflash2_mlx.metal' nor at {path}"
+            f"Metal kernel source {spec.filename!r} is missing from dflash2_mlx/metal/: reinstall the package"
         )
-    return path.read_text(encoding="utf-8")
+    return resource.read_text(encoding="utf-8")
 
 
 # ---------------------------------------------------------------------------------------------

@@ -429,10 +429,10 @@ def test_wrong_sampled_kernels_are_detected():
 # ---------------------------------------------------------------------------------------------
 
 
-def test_sources_load_from_the_metal_folder():
+def test_sources_load_from_the_package_metal_folder():
     for name, spec in kernels.KERNEL_SPECS.items():
-        assert kernels.load_source(name) == (REPO / "metal" / spec.filename).read_text()
-    assert (REPO / "metal" / "__init__.py").exists()  # package dflash2_mlx.metal (package data)
+        assert kernels.load_source(name) == (REPO / "dflash2_mlx" / "metal" / spec.filename).read_text()
+    assert (REPO / "dflash2_mlx" / "metal" / "__init__.py").exists()  # package dflash2_mlx.metal (package data)
 
 
 def test_reference_on_this_machine(monkeypatch):

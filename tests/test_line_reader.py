@@ -10,7 +10,7 @@ import time
 
 import pytest
 
-from cli.line_reader import LineReader
+from dflash2_mlx.cli.line_reader import LineReader
 
 
 @pytest.fixture
