@@ -41,7 +41,7 @@ import mlx.core as mx
 import numpy as np
 
 from .caches import CacheSnapshot
-from .drafter import ContextCache
+from .drafter_context import ContextCache
 
 log = logging.getLogger("dflash2_mlx.prompt_cache")
 

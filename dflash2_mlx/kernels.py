@@ -48,7 +48,6 @@ import os
 import threading
 import warnings
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Callable, Iterator, Sequence
 
 import mlx.core as mx

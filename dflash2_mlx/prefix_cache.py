@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Optional, Sequence
 import mlx.core as mx
 
 from .caches import CacheSnapshot
-from .drafter import ContextCache
+from .drafter_context import ContextCache
 
 if TYPE_CHECKING:
     from .disk_cache import DiskPrefixCache

@@ -18,19 +18,14 @@ from typing import Optional
 
 import typer
 
+from dflash2_mlx.cli.common import UserError
+
 TEXT_SUFFIXES = (".txt", ".md")
 
 
 def _user_error(message: str) -> Exception:
-    """The app's one-line error type (LoadError when the app module is not importable)."""
-    try:
-        from dflash2_mlx.cli.app import UserError
-
-        return UserError(message)
-    except Exception:  # pragma: no cover - the app module always exists in an installed package
-        from dflash2_mlx.loading import LoadError
-
-        return LoadError(message)
+    """The app's one-line error type."""
+    return UserError(message)
 
 
 def _sha256(path: Path) -> str:
