@@ -36,7 +36,12 @@ def held_out_tokens(tokenizer, count: int) -> list[int]:
 
 
 def measure(target, drafter, prompt: list[int], max_tokens: int) -> dict:
-    from dflash2_mlx.engine import GenerationSettings, collect, generate_autoregressive, generate_speculative
+    from dflash2_mlx.engine import (
+        GenerationSettings,
+        collect,
+        generate_autoregressive,
+        generate_speculative,
+    )
 
     # no stop tokens: every run is max_tokens long; the fixed loop (cycle time = decode time / cycles)
     settings = GenerationSettings(max_tokens=max_tokens, block_size=drafter.config.block_size)
@@ -69,7 +74,7 @@ def main(argv=None) -> int:
     if args.reduced_depth:
         return reduced_depth(args.short, args.long, args.repeats)
     from dflash2_mlx import assets
-    from dflash2_mlx.loading import load_drafter, load_target
+    from dflash2_mlx.models.loading import load_drafter, load_target
 
     target = load_target(args.model or str(assets.demo_target_path()))
     drafter = load_drafter(args.draft_model or str(assets.demo_drafter_path()))

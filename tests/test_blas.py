@@ -20,7 +20,7 @@ import pytest
 PROBE = """
 import ctypes, json, sys
 import dflash2_mlx
-from dflash2_mlx import blas
+from dflash2_mlx.backend import blas
 import mlx.core as mx
 mx.eval(mx.ones((8, 64)) @ mx.ones((64, 32)))
 sys.stdout.flush()
@@ -31,7 +31,7 @@ print("\\nPROBE " + json.dumps({"loaded": blas.loaded, "path": blas.library_path
 
 
 def system_openblas_present() -> bool:
-    from dflash2_mlx.blas import CANDIDATES
+    from dflash2_mlx.backend.blas import CANDIDATES
 
     for name in CANDIDATES:
         try:

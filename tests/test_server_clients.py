@@ -14,7 +14,6 @@ from typing import Literal
 import httpx
 import pytest
 from pydantic import BaseModel
-
 from server_helpers import running_server
 
 openai = pytest.importorskip("openai")
@@ -273,7 +272,14 @@ def test_anthropic_messages_plain_and_streamed(server):
 
 def test_openai_agents_default_model_runs_with_a_function_tool(server):
     agents = pytest.importorskip("agents")
-    from agents import Agent, ModelSettings, Runner, function_tool, set_default_openai_client, set_tracing_disabled
+    from agents import (
+        Agent,
+        ModelSettings,
+        Runner,
+        function_tool,
+        set_default_openai_client,
+        set_tracing_disabled,
+    )
 
     calls = []
 
@@ -308,7 +314,14 @@ def test_openai_agents_default_model_runs_with_a_function_tool(server):
 
 def test_openai_agents_forced_tool_call_round_trip_and_structured_output(server):
     pytest.importorskip("agents")
-    from agents import Agent, ModelSettings, Runner, function_tool, set_default_openai_client, set_tracing_disabled
+    from agents import (
+        Agent,
+        ModelSettings,
+        Runner,
+        function_tool,
+        set_default_openai_client,
+        set_tracing_disabled,
+    )
 
     calls = []
 

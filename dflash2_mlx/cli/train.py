@@ -165,8 +165,12 @@ def train_drafter_command(
     no_progress: bool = typer.Option(False, "--no-progress", help="No progress bars."),
 ) -> None:
     """Train a DFlash 2 drafter (DFlash 1 with --no-convs --no-selector) on the target's own greedy continuations."""
-    from dflash2_mlx.loading import load_target
-    from dflash2_mlx.training.drafter_trainer import DrafterTrainingConfig, load_checkpoint_state, train_drafter
+    from dflash2_mlx.models.loading import load_target
+    from dflash2_mlx.training.drafter_trainer import (
+        DrafterTrainingConfig,
+        load_checkpoint_state,
+        train_drafter,
+    )
 
     config = DrafterTrainingConfig(
         block_size=block_size, layers=layers, steps=steps, minutes=minutes, seed=seed,
@@ -210,7 +214,7 @@ def train_drafter_command(
     state = load_checkpoint_state(out) or {}
     summary = f"drafter written to {out} after {state.get('step', '?')} steps"
     if held:
-        from dflash2_mlx.loading import load_drafter
+        from dflash2_mlx.models.loading import load_drafter
         from dflash2_mlx.training.drafter_trainer import STATE_DIR, evaluate_drafter
 
         metrics = evaluate_drafter(target, load_drafter(str(out)), sequences[:held], continuation_start=prefix_len)
@@ -221,6 +225,6 @@ def train_drafter_command(
 
 
 def _resolve_init(init: str) -> Path:
-    from dflash2_mlx.loading import resolve
+    from dflash2_mlx.models.loading import resolve
 
     return resolve(init, "init drafter")

@@ -383,15 +383,15 @@ PLANNERS: dict[str, Callable[..., Plan | None]] = {
 
 
 def load_source(spec: KernelSpec | str) -> str:
-    """The body text of a kernel: package data in ``dflash2_mlx/metal/``."""
+    """The body text of a kernel: package data in ``dflash2_mlx/kernels/metal/``."""
     if isinstance(spec, str):
         spec = KERNEL_SPECS[spec]
     from importlib.resources import files
 
-    resource = files("dflash2_mlx.metal").joinpath(spec.filename)
+    resource = files("dflash2_mlx.kernels.metal").joinpath(spec.filename)
     if not resource.is_file():
         raise FileNotFoundError(
-            f"Metal kernel source {spec.filename!r} is missing from dflash2_mlx/metal/: reinstall the package"
+            f"Metal kernel source {spec.filename!r} is missing from dflash2_mlx/kernels/metal/: reinstall the package"
         )
     return resource.read_text(encoding="utf-8")
 
@@ -419,7 +419,7 @@ def _forced_reference() -> bool:
 
 
 def _metal_device() -> bool:
-    from . import device
+    from dflash2_mlx.backend import device
 
     return device.metal_gpu()
 
