@@ -1,6 +1,6 @@
 """The tiny-scale ablation of DFlash 2's parts: four drafters at an equal training budget.
 
-    python -m dflash2_mlx.training.ablation --steps 800 --json docs/ablation.json
+    python -m dflash2_mlx.training.ablation --steps 800 --json docs/results/ablation.json
 
 Variants, each trained from the same initialisation seed on the same data (the embedded target's
 own greedy and sampled continuations, generated exactly as the demo build does, with its soft
