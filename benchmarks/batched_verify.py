@@ -33,19 +33,8 @@ import mlx.core as mx
 from mlx.utils import tree_flatten
 
 import dflash2_mlx  # noqa: F401  (OpenBLAS before mlx.core)
-from dflash2_mlx.decoding.batched_verify import (
-    VerifyRequest,
-    step_together,
-    verify_batch,
-    verify_one,
-)
-from dflash2_mlx.engine import (
-    GenerationSettings,
-    collect,
-    generate_speculative,
-    prefill,
-    speculative_steps,
-)
+from dflash2_mlx.decoding.batched_verify import VerifyRequest, step_together, verify_batch, verify_one
+from dflash2_mlx.engine import GenerationSettings, collect, generate_speculative, prefill, speculative_steps
 
 
 def op_count(*outputs: mx.array) -> int:
@@ -57,11 +46,7 @@ def op_count(*outputs: mx.array) -> int:
 
 def load(args):
     from dflash2_mlx import assets
-    from dflash2_mlx.models.loading import (
-        freeze_loaded_objects,
-        load_drafter,
-        load_target,
-    )
+    from dflash2_mlx.models.loading import freeze_loaded_objects, load_drafter, load_target
 
     target = load_target(args.model or str(assets.demo_target_path()))
     drafter = load_drafter(args.draft_model or str(assets.demo_drafter_path()))

@@ -100,12 +100,7 @@ def main(argv=None) -> int:
 
     from dflash2_mlx import assets
     from dflash2_mlx.constraints.grammar import Grammar
-    from dflash2_mlx.engine import (
-        GenerationSettings,
-        collect,
-        generate_autoregressive,
-        generate_speculative,
-    )
+    from dflash2_mlx.engine import GenerationSettings, collect, generate_autoregressive, generate_speculative
     from dflash2_mlx.models.loading import load_drafter, load_target
 
     target = load_target(str(assets.demo_target_path()))

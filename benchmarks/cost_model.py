@@ -223,12 +223,7 @@ def measure_grammar_mask(dtype: mx.Dtype, repeats: int) -> dict:
     from transformers import PreTrainedTokenizerFast
 
     sys.path.insert(0, str(Path(__file__).parent))
-    from grammar_engines import (
-        BENCH_ANSWER,
-        BENCH_SCHEMA,
-        MODEL_VOCAB,
-        qwen_tokenizer_json,
-    )
+    from grammar_engines import BENCH_ANSWER, BENCH_SCHEMA, MODEL_VOCAB, qwen_tokenizer_json
 
     from dflash2_mlx.constraints.grammar import Grammar
 
@@ -321,12 +316,7 @@ def controller_choices(verify_relative: dict | None = None) -> list[dict]:
     ones, at several acceptance levels (a constant conditional acceptance per draft position that
     gives that acceptance length at the real block size). ``verify_relative``: B-row verify / one
     row (default: bandwidth-bound, growing linearly to MAC_VERIFY_16_ROWS at 16 rows)."""
-    from dflash2_mlx.policies.block_size import (
-        PLAIN,
-        BreakEvenController,
-        PairProfile,
-        expected_tokens,
-    )
+    from dflash2_mlx.policies.block_size import PLAIN, BreakEvenController, PairProfile, expected_tokens
 
     ar_ms, draft_ms = 1000 / M5_MAX_AR_TPS, mac_draft_ms()
 
@@ -376,11 +366,7 @@ def batched_verify_cost(args) -> dict:
     the full depth, and predict what batching gives on an M5 Max."""
     from mlx_lm.utils import _get_classes
 
-    from dflash2_mlx.decoding.batched_verify import (
-        VerifyRequest,
-        verify_batch,
-        verify_one,
-    )
+    from dflash2_mlx.decoding.batched_verify import VerifyRequest, verify_batch, verify_one
     from dflash2_mlx.models.target import TargetRunner
 
     cfg = target_config(args.dtype)

@@ -36,12 +36,7 @@ def held_out_tokens(tokenizer, count: int) -> list[int]:
 
 
 def measure(target, drafter, prompt: list[int], max_tokens: int) -> dict:
-    from dflash2_mlx.engine import (
-        GenerationSettings,
-        collect,
-        generate_autoregressive,
-        generate_speculative,
-    )
+    from dflash2_mlx.engine import GenerationSettings, collect, generate_autoregressive, generate_speculative
 
     # no stop tokens: every run is max_tokens long; the fixed loop (cycle time = decode time / cycles)
     settings = GenerationSettings(max_tokens=max_tokens, block_size=drafter.config.block_size)

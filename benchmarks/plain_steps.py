@@ -38,12 +38,7 @@ def main(argv=None) -> int:
 
     from dflash2_mlx.cli.common import embedded_pair, embedded_prompts, encode_line
     from dflash2_mlx.decoding.sampling import SamplingSettings
-    from dflash2_mlx.engine import (
-        GenerationSettings,
-        collect,
-        generate_autoregressive,
-        generate_speculative,
-    )
+    from dflash2_mlx.engine import GenerationSettings, collect, generate_autoregressive, generate_speculative
     from dflash2_mlx.models.loading import load_drafter, load_target
     from dflash2_mlx.policies.block_size import ScheduledBlocks
 

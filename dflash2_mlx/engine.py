@@ -17,11 +17,7 @@ import mlx.core as mx
 
 from dflash2_mlx.caches.prefix import PrefixCache, PrefixEntry
 from dflash2_mlx.constraints.grammar import Grammar, GrammarState
-from dflash2_mlx.decoding.batched_verify import (
-    VerifyRequest,
-    VerifyResult,
-    answer_alone,
-)
+from dflash2_mlx.decoding.batched_verify import VerifyRequest, VerifyResult, answer_alone
 from dflash2_mlx.decoding.profiling import CycleProfiler
 from dflash2_mlx.decoding.sampling import (
     LogitsProcessor,

@@ -11,11 +11,7 @@ import tiny
 
 from dflash2_mlx.caches.prefix import PrefixCache
 from dflash2_mlx.decoding.sampling import SamplingSettings
-from dflash2_mlx.engine import (
-    GenerationSettings,
-    generate_autoregressive,
-    generate_speculative,
-)
+from dflash2_mlx.engine import GenerationSettings, generate_autoregressive, generate_speculative
 from dflash2_mlx.models.drafter import Drafter
 from dflash2_mlx.models.target import TargetRunner
 

@@ -15,11 +15,7 @@ import pytest
 import tiny
 from mlx.utils import tree_flatten
 
-from dflash2_mlx.engine import (
-    GenerationSettings,
-    generate_autoregressive,
-    generate_speculative,
-)
+from dflash2_mlx.engine import GenerationSettings, generate_autoregressive, generate_speculative
 from dflash2_mlx.models.target import TargetRunner
 
 MAX_TOKENS = 40

@@ -36,14 +36,7 @@ torch = pytest.importorskip("torch", reason="needs the parity extra: pip install
 pytest.importorskip("dflash.model", reason="needs the parity extra: pip install -e '.[parity]' && pip install --no-deps dflash==0.1.0")
 
 import tiny
-from dflash.model import (
-    DFlash2DraftModel,
-    DFlashDraftModel,
-    _crop_to,
-    _draft_value,
-    _make_cache,
-    _raw_input_embeddings,
-)
+from dflash.model import DFlash2DraftModel, DFlashDraftModel, _crop_to, _draft_value, _make_cache, _raw_input_embeddings
 from mlx.utils import tree_flatten
 from safetensors.numpy import load_file
 

@@ -43,12 +43,7 @@ torch = pytest.importorskip("torch", reason="needs the parity extra: pip install
 pytest.importorskip("transformers", reason="needs the parity extra: pip install -e '.[parity]' && pip install --no-deps dflash==0.1.0")
 
 import tiny
-from transformers import (
-    Qwen3_5Config,
-    Qwen3_5ForConditionalGeneration,
-    Qwen3Config,
-    Qwen3ForCausalLM,
-)
+from transformers import Qwen3_5Config, Qwen3_5ForConditionalGeneration, Qwen3Config, Qwen3ForCausalLM
 
 from dflash2_mlx.models.loading import load_target
 

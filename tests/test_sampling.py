@@ -12,11 +12,7 @@ import numpy as np
 import pytest
 import tiny
 
-from dflash2_mlx.decoding.sampling import (
-    SamplingSettings,
-    probabilities,
-    rejection_step,
-)
+from dflash2_mlx.decoding.sampling import SamplingSettings, probabilities, rejection_step
 from dflash2_mlx.engine import GenerationSettings, generate_speculative
 from dflash2_mlx.models.target import TargetRunner
 

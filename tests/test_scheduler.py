@@ -9,11 +9,7 @@ import pytest
 import tiny
 
 from dflash2_mlx.caches.prefix import PrefixCache
-from dflash2_mlx.engine import (
-    GenerationSettings,
-    generate_autoregressive,
-    generate_speculative,
-)
+from dflash2_mlx.engine import GenerationSettings, generate_autoregressive, generate_speculative
 from dflash2_mlx.models.target import TargetRunner
 from dflash2_mlx.server.scheduler import RoundRobin
 

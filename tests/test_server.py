@@ -14,13 +14,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import pytest
-from server_helpers import (
-    END_THINK,
-    labelled,
-    metrics,
-    qwen_style_checkpoint,
-    running_server,
-)
+from server_helpers import END_THINK, labelled, metrics, qwen_style_checkpoint, running_server
 
 openai = pytest.importorskip("openai")
 KEY = "sk-test-key"

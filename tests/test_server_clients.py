@@ -272,14 +272,7 @@ def test_anthropic_messages_plain_and_streamed(server):
 
 def test_openai_agents_default_model_runs_with_a_function_tool(server):
     agents = pytest.importorskip("agents")
-    from agents import (
-        Agent,
-        ModelSettings,
-        Runner,
-        function_tool,
-        set_default_openai_client,
-        set_tracing_disabled,
-    )
+    from agents import Agent, ModelSettings, Runner, function_tool, set_default_openai_client, set_tracing_disabled
 
     calls = []
 
@@ -314,14 +307,7 @@ def test_openai_agents_default_model_runs_with_a_function_tool(server):
 
 def test_openai_agents_forced_tool_call_round_trip_and_structured_output(server):
     pytest.importorskip("agents")
-    from agents import (
-        Agent,
-        ModelSettings,
-        Runner,
-        function_tool,
-        set_default_openai_client,
-        set_tracing_disabled,
-    )
+    from agents import Agent, ModelSettings, Runner, function_tool, set_default_openai_client, set_tracing_disabled
 
     calls = []
 

@@ -69,11 +69,7 @@ def generate(
         sampling_settings,
         schema_grammar,
     )
-    from dflash2_mlx.engine import (
-        GenerationSettings,
-        generate_autoregressive,
-        generate_speculative,
-    )
+    from dflash2_mlx.engine import GenerationSettings, generate_autoregressive, generate_speculative
     from dflash2_mlx.text.stops import encode_prompt
 
     check_positive("--max-tokens", max_tokens)
@@ -207,13 +203,7 @@ def _exactness_line(backend: str) -> str:
 
 
 def _write_report(path, model, draft_model, preset, prompts, tokens, speed_tokens, long) -> bool:
-    from dflash2_mlx.cli.common import (
-        choose_models,
-        embedded_prompts,
-        encode_line,
-        encode_messages,
-        load_models,
-    )
+    from dflash2_mlx.cli.common import choose_models, embedded_prompts, encode_line, encode_messages, load_models
     from dflash2_mlx.diagnostics import doctor_report
 
     choice = choose_models(model, draft_model, preset)
@@ -241,19 +231,9 @@ def _self_test(max_tokens: int = 48) -> tuple[bool, str]:
     divergence passes only within the measured rounding bound, see doctor_report)."""
     import time
 
-    from dflash2_mlx.cli.common import (
-        ModelChoice,
-        embedded_pair,
-        embedded_prompts,
-        encode_line,
-        load_models,
-    )
+    from dflash2_mlx.cli.common import ModelChoice, embedded_pair, embedded_prompts, encode_line, load_models
     from dflash2_mlx.diagnostics import doctor_report
-    from dflash2_mlx.engine import (
-        GenerationSettings,
-        generate_autoregressive,
-        generate_speculative,
-    )
+    from dflash2_mlx.engine import GenerationSettings, generate_autoregressive, generate_speculative
     from dflash2_mlx.models.loading import LoadError
 
     pair = embedded_pair()

@@ -263,11 +263,7 @@ class ChatSession:
 
     def answer(self, user_text: str) -> Optional[Turn]:
         from dflash2_mlx.cli.common import UserError
-        from dflash2_mlx.engine import (
-            PromptTooLong,
-            generate_autoregressive,
-            generate_speculative,
-        )
+        from dflash2_mlx.engine import PromptTooLong, generate_autoregressive, generate_speculative
 
         self.messages.append({"role": "user", "content": user_text})
         try:

@@ -98,13 +98,7 @@ def convert_command(
     in bf16 (4-bit drafters are reported to collapse acceptance). The output is checked by
     loading it back with dflash2-mlx's own loaders.
     """
-    from dflash2_mlx.models.loading import (
-        LoadError,
-        _read_json,
-        load_drafter,
-        load_target,
-        resolve,
-    )
+    from dflash2_mlx.models.loading import LoadError, _read_json, load_drafter, load_target, resolve
 
     if q_bits is not None and q_bits not in (4, 8):
         fail(f"--q-bits must be 4 or 8, got {q_bits}")

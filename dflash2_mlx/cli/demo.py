@@ -156,11 +156,7 @@ def demo_command(
     from rich.live import Live
 
     from dflash2_mlx.diagnostics.bench import BUILTIN_PROMPTS
-    from dflash2_mlx.engine import (
-        GenerationSettings,
-        generate_autoregressive,
-        generate_speculative,
-    )
+    from dflash2_mlx.engine import GenerationSettings, generate_autoregressive, generate_speculative
 
     check_positive("--max-tokens", max_tokens)
     check_positive("--height", height, 2)

@@ -166,11 +166,7 @@ def train_drafter_command(
 ) -> None:
     """Train a DFlash 2 drafter (DFlash 1 with --no-convs --no-selector) on the target's own greedy continuations."""
     from dflash2_mlx.models.loading import load_target
-    from dflash2_mlx.training.drafter_trainer import (
-        DrafterTrainingConfig,
-        load_checkpoint_state,
-        train_drafter,
-    )
+    from dflash2_mlx.training.drafter_trainer import DrafterTrainingConfig, load_checkpoint_state, train_drafter
 
     config = DrafterTrainingConfig(
         block_size=block_size, layers=layers, steps=steps, minutes=minutes, seed=seed,

@@ -27,11 +27,7 @@ from typing import Callable, Optional, Sequence
 import mlx.core as mx
 
 from dflash2_mlx.backend import device
-from dflash2_mlx.engine import (
-    GenerationSettings,
-    generate_autoregressive,
-    generate_speculative,
-)
+from dflash2_mlx.engine import GenerationSettings, generate_autoregressive, generate_speculative
 from dflash2_mlx.kernels import dispatch as kernels
 from dflash2_mlx.models import memory
 

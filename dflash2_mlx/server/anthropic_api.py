@@ -13,10 +13,7 @@ from dflash2_mlx.server.errors import bad_request
 from dflash2_mlx.server.params import build_params, check_max_tokens
 from dflash2_mlx.server.schemas import MessagesRequest
 from dflash2_mlx.server.stream import Accumulator, Formatter, sse
-from dflash2_mlx.server.structured import (
-    anthropic_tool_choice_constraint,
-    response_format_constraint,
-)
+from dflash2_mlx.server.structured import anthropic_tool_choice_constraint, response_format_constraint
 
 
 def _block_text(content, param: str) -> str:

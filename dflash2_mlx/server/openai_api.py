@@ -7,12 +7,7 @@ import time
 import uuid
 from typing import Optional
 
-from dflash2_mlx.server.chat import (
-    Delta,
-    openai_messages,
-    openai_tools,
-    template_kwargs,
-)
+from dflash2_mlx.server.chat import Delta, openai_messages, openai_tools, template_kwargs
 from dflash2_mlx.server.errors import bad_request
 from dflash2_mlx.server.params import build_params, check_max_tokens
 from dflash2_mlx.server.schemas import (

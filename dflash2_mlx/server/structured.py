@@ -67,11 +67,7 @@ class OutputConstraint:
         """The engine grammar (``dflash2_mlx.constraints.grammar.Grammar``) for this constraint and the
         model's tokenizer (worker thread). ``reasoning_end``: the prompt opened a reasoning block
         that these tokens close; the constraint starts after it."""
-        from dflash2_mlx.constraints.grammar import (
-            Grammar,
-            json_object_rules,
-            json_schema_rules,
-        )
+        from dflash2_mlx.constraints.grammar import Grammar, json_object_rules, json_schema_rules
 
         if self.kind == "json_object":
             rules = json_object_rules()

@@ -68,12 +68,7 @@ def training_data(plan, target, work: Path, log) -> tuple[np.ndarray, list[dict]
 def evaluate_variant(target, drafter_dir: Path, prompts: list[dict], block_size: int, max_tokens: int,
                      reference: Optional[list[list[int]]]) -> tuple[dict, list[list[int]]]:
     """Acceptance (mean and per position) of one drafter on ``prompts`` at temperature 0."""
-    from dflash2_mlx.engine import (
-        GenerationSettings,
-        collect,
-        generate_autoregressive,
-        generate_speculative,
-    )
+    from dflash2_mlx.engine import GenerationSettings, collect, generate_autoregressive, generate_speculative
     from dflash2_mlx.models.loading import load_drafter
 
     drafter = load_drafter(str(drafter_dir))
@@ -129,10 +124,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     from dflash2_mlx.assets import demo_target_path
     from dflash2_mlx.models.loading import load_target
     from dflash2_mlx.training import build_demo_pair as bd
-    from dflash2_mlx.training.drafter_trainer import (
-        DrafterTrainingConfig,
-        train_drafter,
-    )
+    from dflash2_mlx.training.drafter_trainer import DrafterTrainingConfig, train_drafter
 
     plan = bd.FULL
     log = bd.Log()

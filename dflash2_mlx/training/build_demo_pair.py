@@ -289,10 +289,7 @@ def drafter_data(plan: BuildPlan, target, docs) -> np.ndarray:
 
 def build_drafter(plan: BuildPlan, target, docs, work: Path, log: Log) -> dict:
     try:
-        from dflash2_mlx.training.drafter_trainer import (
-            DrafterTrainingConfig,
-            train_drafter,
-        )
+        from dflash2_mlx.training.drafter_trainer import DrafterTrainingConfig, train_drafter
     except ImportError as e:
         raise SystemExit(
             f"the drafter trainer is not available ({e}); the target is built, the drafter is not"
@@ -337,12 +334,7 @@ def build_drafter(plan: BuildPlan, target, docs, work: Path, log: Log) -> dict:
 
 def evaluate(plan: BuildPlan, target_dir: Path, drafter_dir: Optional[Path], prompts: list[dict], log: Log) -> dict:
     from dflash2_mlx.decoding.sampling import SamplingSettings
-    from dflash2_mlx.engine import (
-        GenerationSettings,
-        collect,
-        generate_autoregressive,
-        generate_speculative,
-    )
+    from dflash2_mlx.engine import GenerationSettings, collect, generate_autoregressive, generate_speculative
     from dflash2_mlx.models.loading import load_drafter, load_target
 
     target = load_target(str(target_dir))
@@ -446,12 +438,7 @@ def evaluate_defaults(target_dir: Path, drafter_dir: Optional[Path], code_prompt
     Per set: the 4-gram repetition rate (repeated / all generated 4-grams, pooled) and the share
     of answers that ended (emitted an end token) within ``max_new_tokens``."""
     from dflash2_mlx.decoding.sampling import SamplingSettings
-    from dflash2_mlx.engine import (
-        GenerationSettings,
-        collect,
-        generate_autoregressive,
-        generate_speculative,
-    )
+    from dflash2_mlx.engine import GenerationSettings, collect, generate_autoregressive, generate_speculative
     from dflash2_mlx.models.loading import load_drafter, load_target
 
     cfg = json.loads((Path(target_dir) / "generation_config.json").read_text())

@@ -87,12 +87,7 @@ import numpy as np
 from mlx.utils import tree_flatten, tree_unflatten
 
 from dflash2_mlx.models.drafter import Drafter
-from dflash2_mlx.models.drafter_config import (
-    DFLASH1,
-    DFLASH2,
-    DrafterConfig,
-    build_target_layer_ids,
-)
+from dflash2_mlx.models.drafter_config import DFLASH1, DFLASH2, DrafterConfig, build_target_layer_ids
 from dflash2_mlx.models.selector import top_k_candidates
 
 __all__ = [
