@@ -134,7 +134,7 @@ def doctor(
     import mlx.core as mx
     from huggingface_hub import constants as hf
 
-    from dflash2_mlx import __version__, blas, caches, device, kernels
+    from dflash2_mlx import __version__, blas, caches, device, drafter_precision, kernels
 
     from .common import check_positive, fail
 
@@ -142,6 +142,7 @@ def doctor(
     info = mx.device_info() if hasattr(mx, "device_info") else {}
     try:
         rollback = caches.rollback_setting()
+        drafter_line = drafter_precision.policy_line()
     except ValueError as e:
         fail(str(e))
     rows = [
@@ -151,6 +152,7 @@ def doctor(
         ("kernels", ", ".join(f"{name}: {where}" for name, where in kernels.active_kernels().items())),
         ("rollback", _rollback_line(rollback)),
         ("exactness", _exactness_line(backend)),
+        ("drafter", drafter_line),
         ("memory", _memory_line(info)),
         ("model cache", str(hf.HF_HUB_CACHE)),
     ]
