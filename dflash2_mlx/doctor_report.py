@@ -26,7 +26,7 @@ from typing import Callable, Optional, Sequence
 
 import mlx.core as mx
 
-from . import device, kernels, memory
+from . import device, drafter_precision, kernels, memory
 from .engine import GenerationSettings, generate_autoregressive, generate_speculative
 
 # Generic prompts for pairs with a chat template (the embedded code pair brings its own).
@@ -301,6 +301,7 @@ def build_report(target, drafter, prompts: Sequence[list[int]], label: str,
     options = options or ReportOptions()
     mx.reset_peak_memory()
     report = {"pair": label, "options": vars(options).copy(), "system": system_section()}
+    report["system"]["drafter_precision"] = drafter_precision.describe(drafter)  # e.g. "w4a32 ...; why: ..."
     progress("kernels: self-checks and timings")
     report["kernels"] = kernels_section(kernels.float_dtypes([target.runner.model.parameters(), drafter.parameters()]))
     report["rollback"] = rollback_section(target.runner)
