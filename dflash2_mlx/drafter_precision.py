@@ -21,6 +21,7 @@ device (the CPU tests run it so), ``native`` keeps the stored dtype even on M1/M
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from dataclasses import dataclass
 from typing import Optional
@@ -115,3 +116,13 @@ def policy_line(architecture: Optional[str] = None) -> str:
         return f"runs in its stored dtype (a 4/8-bit drafter in its scales' dtype); why: {choice.reason}{override}"
     return (f"runs in float32 activations (16-bit weights upcast; 4/8-bit weights stay packed: w4a32/w8a32); "
             f"why: {choice.reason}{override}")
+
+
+def planned_drafter_memory(weight_bytes: int, shape, quantized: bool) -> tuple[int, object]:
+    """(weight bytes, ``memory.DrafterShape``) a drafter stored in ``weight_bytes`` will occupy once
+    loaded here, for the memory pre-flight: float32 activations double a 16-bit drafter's weights
+    and the bytes of its context K/V rows; a quantized drafter's packed weights stay as they are
+    (only its scales, biases and the few unquantized parts grow, left out of the estimate)."""
+    if choose_activations().dtype is None or shape.kv_bytes >= 4:
+        return weight_bytes, shape
+    return (weight_bytes if quantized else 2 * weight_bytes), dataclasses.replace(shape, kv_bytes=4)

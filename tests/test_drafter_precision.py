@@ -15,7 +15,7 @@ import mlx.nn as nn
 import pytest
 from mlx.utils import tree_flatten
 
-from dflash2_mlx import assets, device
+from dflash2_mlx import assets, device, memory
 from dflash2_mlx.cli.convert import convert_drafter, drafter_warnings
 from dflash2_mlx.drafter_precision import ACTIVATIONS_ENV, ActivationChoice, choose_activations, describe
 from dflash2_mlx.drafter_step import DraftStep
@@ -198,6 +198,18 @@ def test_float32_activation_drafter_accepts_what_the_float32_drafter_accepts(
     assert float32_activations == reference  # cycle for cycle, prompt for prompt
     # and quantizing or rounding the weights did not collapse acceptance (measured: equal)
     assert acceptance_length(float32_activations) >= 0.9 * original_acceptance > 1.5
+
+
+def test_the_memory_preflight_counts_the_float32_upcast_of_a_16_bit_drafter(converted, embedded_pair, monkeypatch):
+    monkeypatch.setenv(memory.MEMORY_ENV, "64")
+    target = str(embedded_pair[0])
+    stored = {name: sum(f.stat().st_size for f in path.glob("*.safetensors")) for name, path in converted.items()}
+    native = memory.preflight(target, str(converted["bf16"]))
+    assert native.drafter_weights == stored["bf16"]
+    monkeypatch.setenv(ACTIVATIONS_ENV, "float32")
+    upcast = memory.preflight(target, str(converted["bf16"]))
+    assert upcast.drafter_weights == 2 * stored["bf16"] and upcast.drafter_context == 2 * native.drafter_context
+    assert memory.preflight(target, str(converted["w8"])).drafter_weights == stored["w8"]  # packed weights stay
 
 
 def test_convert_names_the_safer_choice_for_drafter_formats_known_to_collapse():
