@@ -55,6 +55,16 @@ def test_the_environment_setting_overrides_the_chip(monkeypatch):
     assert choose_activations("applegpu_g13s").dtype == mx.float32
 
 
+def test_a_drafter_loaded_on_an_m1_gpu_runs_in_float32_without_any_setting(monkeypatch, converted):
+    monkeypatch.setattr(device, "gpu_architecture", lambda: "applegpu_g13s")
+    drafter = load_drafter(str(converted["w8"]))
+    assert drafter.activation_dtype == mx.float32
+    assert describe(drafter) == ("w8a32 (8-bit weights, float32 activations); "
+                                 "why: applegpu_g13s is an M1/M2-family GPU: no native bf16")
+    monkeypatch.setattr(device, "gpu_architecture", lambda: "applegpu_g15s")
+    assert load_drafter(str(converted["w8"])).activation_dtype is None
+
+
 def test_a_bad_environment_setting_is_a_one_line_load_error(monkeypatch, embedded_pair):
     monkeypatch.setenv(ACTIVATIONS_ENV, "fp32")
     with pytest.raises(LoadError) as e:
