@@ -30,7 +30,7 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_flatten
 
-from . import device
+from dflash2_mlx.backend import device
 
 ACTIVATIONS_ENV = "DFLASH2_MLX_DRAFTER_ACTIVATIONS"
 SETTINGS = ("float32", "native")

@@ -15,12 +15,14 @@ import mlx.nn as nn
 import pytest
 from mlx.utils import tree_flatten
 
-from dflash2_mlx import assets, device, memory
+from dflash2_mlx import assets
+from dflash2_mlx.backend import device
 from dflash2_mlx.cli.convert import convert_drafter, drafter_warnings
-from dflash2_mlx.drafter_precision import ACTIVATIONS_ENV, ActivationChoice, choose_activations, describe
-from dflash2_mlx.drafter_step import DraftStep
 from dflash2_mlx.engine import GenerationSettings, generate_speculative
-from dflash2_mlx.loading import LoadError, load_drafter, load_target
+from dflash2_mlx.models import memory
+from dflash2_mlx.models.drafter_precision import ACTIVATIONS_ENV, ActivationChoice, choose_activations, describe
+from dflash2_mlx.models.drafter_step import DraftStep
+from dflash2_mlx.models.loading import LoadError, load_drafter, load_target
 
 AS_STORED = ActivationChoice(None, "as stored (the reference)")
 PROMPTS = 3
