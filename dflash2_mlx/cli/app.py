@@ -151,11 +151,13 @@ def doctor(
     from dflash2_mlx.caches import target as caches
     from dflash2_mlx.cli.common import check_positive, fail
     from dflash2_mlx.kernels import dispatch as kernels
+    from dflash2_mlx.models import drafter_precision
 
     backend = device.backend()
     info = mx.device_info() if hasattr(mx, "device_info") else {}
     try:
         rollback = caches.rollback_setting()
+        drafter_line = drafter_precision.policy_line()
     except ValueError as e:
         fail(str(e))
     rows = [
@@ -165,6 +167,7 @@ def doctor(
         ("kernels", ", ".join(f"{name}: {where}" for name, where in kernels.active_kernels().items())),
         ("rollback", _rollback_line(rollback)),
         ("exactness", _exactness_line(backend)),
+        ("drafter", drafter_line),
         ("memory", _memory_line(info)),
         ("model cache", str(hf.HF_HUB_CACHE)),
     ]

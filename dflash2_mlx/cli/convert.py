@@ -45,9 +45,10 @@ def convert_drafter(src: Path, out: Path, quantize: bool, bits: int, group_size:
     import mlx.nn as nn
     from mlx.utils import tree_flatten, tree_map
 
+    from dflash2_mlx.models.drafter_precision import ActivationChoice
     from dflash2_mlx.models.loading import load_drafter
 
-    drafter = load_drafter(str(src))
+    drafter = load_drafter(str(src), ActivationChoice(None, "as stored, for conversion"))
     target_dtype = getattr(mx, dtype)
     drafter.update(tree_map(lambda p: p.astype(target_dtype) if mx.issubdtype(p.dtype, mx.floating) else p,
                             drafter.parameters()))
@@ -73,6 +74,24 @@ def convert_drafter(src: Path, out: Path, quantize: bool, bits: int, group_size:
             "bytes": sum(v.nbytes for v in weights.values())}
 
 
+def drafter_warnings(quantize: bool, bits: int, dtype: str) -> list[str]:
+    """One line per drafter format known to collapse acceptance, each naming the safer choice.
+
+    4-bit drafter weights collapse acceptance on some Macs (8-bit keeps it). float16 drafters
+    overflow in 16-bit activations: peers measured NaN draft logits and 0% acceptance for DFlash 2
+    drafters cast to float16 on M1/M2 (jundot/omlx#2907, bstnxbt/dflash-mlx#60). bfloat16 keeps
+    the range, and M1/M2 run every drafter in float32 activations anyway (``drafter_precision``).
+    """
+    warnings = []
+    if quantize and bits == 4:
+        warnings.append("4-bit drafters are known to collapse acceptance on some Macs; "
+                        "--q-bits 8 (the default) keeps it")
+    if dtype == "float16":
+        warnings.append("float16 drafters are known to collapse acceptance (16-bit activations overflow to NaN "
+                        "draft logits); --dtype bfloat16 (the default) keeps it")
+    return warnings
+
+
 def is_drafter_config(config: dict) -> bool:
     from dflash2_mlx.models.drafter_config import ARCHITECTURES
 
@@ -88,7 +107,7 @@ def convert_command(
     q_bits: Optional[int] = typer.Option(None, "--q-bits", help="Bits per weight, 4 or 8. Default: 4 for a target, 8 for a drafter."),
     q_group_size: int = typer.Option(64, "--q-group-size", help="Weights sharing one scale and bias: 32, 64 or 128."),
     draft: bool = typer.Option(False, "--draft", help="The source is a DFlash / DFlash 2 drafter (detected from its config.json anyway)."),
-    dtype: Optional[str] = typer.Option(None, "--dtype", help="Float type of what is not quantized: bfloat16, float16 or float32. Default: the checkpoint's for a target, bfloat16 for a drafter (float16 suits M1/M2 GPUs)."),
+    dtype: Optional[str] = typer.Option(None, "--dtype", help="Float type of what is not quantized: bfloat16, float16 or float32. Default: the checkpoint's for a target, bfloat16 for a drafter (M1/M2 GPUs run drafters in float32 activations; float16 drafters collapse)."),
 ) -> None:
     """Convert a Hugging Face checkpoint (target or drafter) to MLX, optionally quantized.
 
@@ -120,8 +139,8 @@ def convert_command(
     if is_drafter:
         quantize = True if quantize is None else quantize
         bits = q_bits or 8
-        if quantize and bits == 4:
-            print("warning: 4-bit drafters have been reported to collapse acceptance; 8-bit keeps it", file=err)
+        for warning in drafter_warnings(quantize, bits, dtype or "bfloat16"):
+            print(f"warning: {warning}", file=err)
         if out.exists():
             out.rmdir()
         info = convert_drafter(src, out, quantize, bits, q_group_size, dtype or "bfloat16")

@@ -29,7 +29,7 @@ import mlx.core as mx
 from dflash2_mlx.backend import device
 from dflash2_mlx.engine import GenerationSettings, generate_autoregressive, generate_speculative
 from dflash2_mlx.kernels import dispatch as kernels
-from dflash2_mlx.models import memory
+from dflash2_mlx.models import drafter_precision, memory
 
 # Generic prompts for pairs with a chat template (the embedded code pair brings its own).
 CHAT_PROMPTS = (
@@ -304,6 +304,7 @@ def build_report(target, drafter, prompts: Sequence[list[int]], label: str,
     options = options or ReportOptions()
     mx.reset_peak_memory()
     report = {"pair": label, "options": vars(options).copy(), "system": system_section()}
+    report["system"]["drafter_precision"] = drafter_precision.describe(drafter)  # e.g. "w4a32 ...; why: ..."
     progress("kernels: self-checks and timings")
     report["kernels"] = kernels_section(kernels.float_dtypes([target.runner.model.parameters(), drafter.parameters()]))
     report["rollback"] = rollback_section(target.runner)

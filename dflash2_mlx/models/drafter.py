@@ -176,6 +176,10 @@ class Drafter(nn.Module):
         # kept out of the module's parameter tree (nn.Module stores dict attributes in it)
         object.__setattr__(self, "_compiled_fns", {})
         object.__setattr__(self, "_draft_step", None)
+        # None: compute in the stored dtype; float32 on GPUs without native bf16
+        # (``drafter_precision``): inputs are cast to it and logits come back in it
+        self.activation_dtype: Optional[mx.Dtype] = None
+        self._target_dtype: Optional[mx.Dtype] = None  # the target's activations (its embeddings')
 
     def make_cache(self) -> ContextCache:
         # a tentative write is one verify pass's rows: at most a block
@@ -190,7 +194,12 @@ class Drafter(nn.Module):
         Runs on packed weights (``drafter_step.py``); ``train_forward`` is the same computation.
         """
         self.absorb(features, cache)
-        return self._step().block(block_embeds, cache)
+        self._target_dtype = block_embeds.dtype
+        return self._step().block(self._to_activations(block_embeds), cache)
+
+    def _to_activations(self, x: mx.array) -> mx.array:
+        """Target embeddings or features in the drafter's activation dtype (as is when native)."""
+        return x if self.activation_dtype is None else x.astype(self.activation_dtype)
 
     def absorb(self, features: Optional[mx.array], cache: ContextCache, valid: Optional[mx.array] = None) -> None:
         """Move the target features of newly committed positions [1, n, T*H] into the context
@@ -199,7 +208,7 @@ class Drafter(nn.Module):
         (``ContextCache.commit``)."""
         if features is None or features.shape[1] == 0:
             return
-        cache.write(self._step().context_rows(features, cache.offset), valid)
+        cache.write(self._step().context_rows(self._to_activations(features), cache.offset), valid)
 
     def _step(self) -> DraftStep:
         if self._draft_step is None:
@@ -243,7 +252,15 @@ class Drafter(nn.Module):
         return self.norm(h)
 
     def logits(self, hidden: mx.array, lm_head: Callable[[mx.array], mx.array]) -> mx.array:
+        """The target's ``lm_head`` of the drafter's hidden rows (with the config's multiplier and
+        softcap). With float32 activations the head runs in the target's dtype, as the target's
+        own logits do (a float32 head would upcast its vocabulary-sized weight per draft), and the
+        logits come back in float32 for the selector."""
+        if self.activation_dtype is not None and self._target_dtype is not None:
+            hidden = hidden.astype(self._target_dtype)
         logits = lm_head(hidden)
+        if self.activation_dtype is not None:
+            logits = logits.astype(self.activation_dtype)
         if self.config.output_multiplier != 1.0:
             logits = logits * self.config.output_multiplier
         cap = self.config.final_logit_softcapping

@@ -21,6 +21,7 @@ from dflash2_mlx.caches.target import rollback_setting
 from dflash2_mlx.models.drafter import Drafter
 from dflash2_mlx.models.drafter_config import ARCHITECTURES as DRAFTER_ARCHITECTURES
 from dflash2_mlx.models.drafter_config import ConfigError, DrafterConfig
+from dflash2_mlx.models.drafter_precision import ActivationChoice, apply_activations, choose_activations
 from dflash2_mlx.models.target import TargetRunner, UnsupportedModel
 
 _REPO_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
@@ -137,8 +138,14 @@ def load_target(path_or_repo: str) -> Target:
     return Target(runner, tokenizer, config, name, path)
 
 
-def load_drafter(path_or_repo: str) -> Drafter:
-    """A DFlash / DFlash 2 drafter checkpoint (dispatched on ``architectures``, not model_type)."""
+def load_drafter(path_or_repo: str, activations: Optional[ActivationChoice] = None) -> Drafter:
+    """A DFlash / DFlash 2 drafter checkpoint (dispatched on ``architectures``, not model_type),
+    computing in ``activations`` (default: what ``drafter_precision.choose_activations`` picks
+    for this machine: float32 on M1/M2 GPUs or when forced, else the stored dtype)."""
+    try:
+        activations = activations or choose_activations()
+    except ValueError as e:  # a bad DFLASH2_MLX_DRAFTER_ACTIVATIONS, before any download
+        raise LoadError(str(e)) from None
     path = resolve(path_or_repo, "draft model")
     raw = _read_json(path / "config.json")
     try:
@@ -177,6 +184,7 @@ def load_drafter(path_or_repo: str) -> Drafter:
     drafter.load_weights(list(weights.items()))
     drafter.eval()
     mx.eval(drafter.parameters())
+    apply_activations(drafter, activations)
     drafter.path = path
     return drafter
 

@@ -175,9 +175,10 @@ def preflight(target: str, drafter: Optional[str], context: Optional[int] = None
     preset's repos) fits this machine's memory at ``context`` tokens (default: 32K, or the model's
     context if shorter). Raises DoesNotFit with one line; returns the plan, or None when the
     sizes cannot be known without downloading (loading then proceeds)."""
-    from dflash2_mlx.models import presets
+    from dflash2_mlx.models import drafter_precision, presets
 
     preset = presets.by_target(target)
+    drafter_quantized = False  # a preset's drafter is stored in bf16
     if preset is not None and (drafter is None or drafter == preset.drafter):
         target_shape, drafter_shape = preset.target_shape, preset.drafter_shape
         target_weights, drafter_weights = preset.target_bytes, preset.drafter_bytes
@@ -194,7 +195,11 @@ def preflight(target: str, drafter: Optional[str], context: Optional[int] = None
             if found is None:
                 return None
             drafter_shape, drafter_weights = DrafterShape.from_config(found[0]), found[1]
+            drafter_quantized = "quantization" in found[0]
         label = label or "this model pair"
+    if drafter_shape is not None:  # on M1/M2 (or when forced) a 16-bit drafter is upcast to float32
+        drafter_weights, drafter_shape = drafter_precision.planned_drafter_memory(
+            drafter_weights, drafter_shape, drafter_quantized)
     limit = target_shape.max_context or DEFAULT_CONTEXT
     ctx = min(context or DEFAULT_CONTEXT, limit)
     needed = plan(target_shape, target_weights, drafter_shape, drafter_weights, ctx, keeps_verify_states(target_shape))
