@@ -42,6 +42,7 @@ import numpy as np
 
 from .caches import CacheSnapshot
 from .drafter import ContextCache
+from dflash2_mlx.files import sha256_file
 
 log = logging.getLogger("dflash2_mlx.prompt_cache")
 
@@ -72,7 +73,7 @@ def pair_identity(target_path: Path, drafter_path: Optional[Path], dtype: str) -
             st = f.stat()
             parts.append(f"{f.name} {st.st_size} {st.st_mtime_ns}")
             if f.name == "config.json":
-                parts.append(hashlib.sha256(f.read_bytes()).hexdigest())
+                parts.append(sha256_file(f))
     return hashlib.sha256("\n".join(parts).encode()).hexdigest()
 
 
