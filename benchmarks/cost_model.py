@@ -43,6 +43,7 @@ import dflash2_mlx  # noqa: F401  (OpenBLAS before mlx.core)
 
 import mlx.core as mx
 import mlx.nn as nn
+from harness import write_report
 
 # Anchors (../shared/reference/anchors.md): published acceptance length, Mac plain decoding.
 PUBLISHED_ACCEPTANCE = 4.80
@@ -488,9 +489,7 @@ def main(argv=None) -> int:
         report = {"settings": {"dtype": args.dtype, "bits": args.bits, "context": args.context}, "measured": m, "model": p}
         if args.grammar:
             report["grammar"] = grammar_share(measure_grammar_mask(getattr(mx, args.dtype), args.repeats), p)
-    print(json.dumps(report, indent=1))
-    if args.json:
-        args.json.write_text(json.dumps(report, indent=1) + "\n")
+    write_report(report, args.json)
     return 0
 
 

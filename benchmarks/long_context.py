@@ -21,6 +21,7 @@ import sys
 from pathlib import Path
 
 import dflash2_mlx  # noqa: F401  (OpenBLAS before mlx.core)
+from harness import load_pair
 
 
 def held_out_tokens(tokenizer, count: int) -> list[int]:
@@ -68,11 +69,7 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     if args.reduced_depth:
         return reduced_depth(args.short, args.long, args.repeats)
-    from dflash2_mlx import assets
-    from dflash2_mlx.loading import load_drafter, load_target
-
-    target = load_target(args.model or str(assets.demo_target_path()))
-    drafter = load_drafter(args.draft_model or str(assets.demo_drafter_path()))
+    target, drafter = load_pair(args.model, args.draft_model)
     ids = held_out_tokens(target.tokenizer, args.long)
     runs = {args.short: [], len(ids): []}
     for _ in range(args.repeats):
