@@ -140,6 +140,28 @@ def test_chat_and_serve_store_prompt_cache_snapshots_at_the_same_message_boundar
     assert all(0 < n < len(chat_ids) for n in chat_save_at)
 
 
+def test_a_chat_turn_and_a_server_request_leave_the_same_snapshots_in_their_prefix_caches(qwen_target):
+    """End to end, plain decoding (the save positions are the same with a drafter): the chat's
+    session cache and the server's prefix cache hold snapshots of the same token prefixes."""
+    from fastapi.testclient import TestClient
+
+    from dflash2_mlx.server import ServerConfig, create_app
+
+    session = _chat_session(qwen_target)
+    session.system, session.messages = CONVERSATION[0]["content"], CONVERSATION[1:-1]
+    assert session.answer(CONVERSATION[-1]["content"]) is not None
+    chat_prefixes = set(session.cache._entries)
+
+    app = create_app(ServerConfig(model=str(qwen_target.path), prefix_cache_gb=1, prompt_cache_dir=None))
+    with TestClient(app, raise_server_exceptions=False) as client:
+        assert app.state.worker.ready.wait(60), app.state.worker.error
+        r = client.post("/v1/chat/completions", json={"model": "target", "messages": CONVERSATION, "max_tokens": 4})
+        assert r.status_code == 200, r.text
+        served_prefixes = set(app.state.worker.prefix_cache._entries)
+    assert len(chat_prefixes) >= 3  # the prompt and at least two message boundaries
+    assert served_prefixes == chat_prefixes
+
+
 def test_the_next_turns_prompt_extends_every_boundary_stored_for_this_one(qwen_target):
     from dflash2_mlx.server.chat import render_chat
 
