@@ -80,15 +80,6 @@ def test_generation_defaults_drop_values_the_sampler_would_refuse_so_chat_and_re
     assert (params.temperature, params.top_p, params.top_k, params.min_p) == (0.0, 1.0, 0, 0.0)
 
 
-def test_chat_and_the_server_read_generation_defaults_through_one_function():
-    from dflash2_mlx.cli import chat
-    from dflash2_mlx.server import worker
-
-    assert chat.generation_defaults is generation_defaults
-    assert "generation_defaults" in worker.Worker._load.__code__.co_names
-    assert not hasattr(worker, "_generation_defaults")
-
-
 # ---- message boundaries with a thinking template ------------------------------------------------
 
 @pytest.fixture(scope="module")
@@ -100,6 +91,8 @@ def qwen_target(tiny_checkpoints, tmp_path_factory):
     cfg = json.loads((qwen / "tokenizer_config.json").read_text())
     cfg["chat_template"] = THINKING_TEMPLATE
     (qwen / "tokenizer_config.json").write_text(json.dumps(cfg))
+    # greedy, with a top_k the sampler refuses (vLLM's -1): chat and the server must both start
+    (qwen / "generation_config.json").write_text(json.dumps({"temperature": 0.0, "top_k": -1, "max_new_tokens": 5}))
     return load_target(str(qwen))
 
 
@@ -140,13 +133,18 @@ def test_chat_and_serve_store_prompt_cache_snapshots_at_the_same_message_boundar
     assert all(0 < n < len(chat_ids) for n in chat_save_at)
 
 
-def test_a_chat_turn_and_a_server_request_leave_the_same_snapshots_in_their_prefix_caches(qwen_target):
-    """End to end, plain decoding (the save positions are the same with a drafter): the chat's
-    session cache and the server's prefix cache hold snapshots of the same token prefixes."""
+def test_chat_and_a_server_on_one_model_read_the_same_defaults_and_store_the_same_snapshots(qwen_target):
+    """End to end, plain decoding (the save positions are the same with a drafter): both read the
+    model's defaults alike, and the chat's session cache and the server's prefix cache hold
+    snapshots of the same token prefixes."""
     from fastapi.testclient import TestClient
 
     from dflash2_mlx.server import ServerConfig, create_app
 
+    from dflash2_mlx.cli.common import chat_sampling
+
+    assert generation_defaults(qwen_target.path) == {"temperature": 0.0, "max_new_tokens": 5}
+    assert chat_sampling(qwen_target.path, None, None, None, None).greedy
     session = _chat_session(qwen_target)
     session.system, session.messages = CONVERSATION[0]["content"], CONVERSATION[1:-1]
     assert session.answer(CONVERSATION[-1]["content"]) is not None
@@ -155,6 +153,7 @@ def test_a_chat_turn_and_a_server_request_leave_the_same_snapshots_in_their_pref
     app = create_app(ServerConfig(model=str(qwen_target.path), prefix_cache_gb=1, prompt_cache_dir=None))
     with TestClient(app, raise_server_exceptions=False) as client:
         assert app.state.worker.ready.wait(60), app.state.worker.error
+        assert app.state.worker.defaults == generation_defaults(qwen_target.path)
         r = client.post("/v1/chat/completions", json={"model": "target", "messages": CONVERSATION, "max_tokens": 4})
         assert r.status_code == 200, r.text
         served_prefixes = set(app.state.worker.prefix_cache._entries)

@@ -737,7 +737,8 @@ def load_checkpoint_state(out_dir: Path) -> Optional[dict]:
 def _resume(out_dir: Path, state: dict, drafter: Drafter, optimizer: optim.Optimizer) -> None:
     sd = out_dir / STATE_DIR
     model_path, opt_path = out_dir / "model.safetensors", sd / "optimizer.safetensors"
-    if not model_path.exists() or not opt_path.exists() or sha256_file(model_path) != state.get("model_sha256") or sha256_file(opt_path) != state.get("optimizer_sha256"):
+    if (not model_path.exists() or not opt_path.exists() or sha256_file(model_path) != state.get("model_sha256")
+            or sha256_file(opt_path) != state.get("optimizer_sha256")):
         raise ValueError(
             f"the checkpoint in {out_dir} is incomplete (interrupted while saving); "
             f"delete {out_dir} (or use another output directory) to start afresh"
@@ -912,8 +913,8 @@ def train_drafter(
             _save_checkpoint(out_dir, drafter, optimizer, record(step, True))
         return out_dir
 
-    bar = ProgressBar(total_steps if total_steps is not None else budget, "train", "" if total_steps is not None else "s",
-                      enabled=progress)
+    by_steps = total_steps is not None
+    bar = ProgressBar(total_steps if by_steps else budget, "train", "" if by_steps else "s", enabled=progress)
     window: dict[str, float] = {}
     window_steps, window_time = 0, 0.0
     seq_tokens = config.batch_size * seq_len
