@@ -28,14 +28,13 @@ import sys
 import time
 from pathlib import Path
 
-import dflash2_mlx  # noqa: F401  (OpenBLAS before mlx.core)
-
 import mlx.core as mx
+from harness import load_pair, write_report
 from mlx.utils import tree_flatten
 
-from dflash2_mlx.batched_verify import VerifyRequest, step_together, verify_batch, verify_one
+import dflash2_mlx  # noqa: F401  (OpenBLAS before mlx.core)
+from dflash2_mlx.decoding.batched_verify import VerifyRequest, step_together, verify_batch, verify_one
 from dflash2_mlx.engine import GenerationSettings, collect, generate_speculative, prefill, speculative_steps
-from harness import load_pair, write_report
 
 
 def op_count(*outputs: mx.array) -> int:
@@ -47,7 +46,7 @@ def op_count(*outputs: mx.array) -> int:
 
 def load(args):
     from dflash2_mlx import assets
-    from dflash2_mlx.files import read_jsonl
+    from dflash2_mlx.backend.files import read_jsonl
 
     target, drafter = load_pair(args.model, args.draft_model)
     prompts_file = Path(args.prompts or assets.assets_dir() / assets.PROMPTS_FILE)

@@ -29,8 +29,9 @@ import statistics
 import sys
 from pathlib import Path
 
-import dflash2_mlx  # noqa: F401  (OpenBLAS before mlx.core)
 from harness import load_pair, write_report
+
+import dflash2_mlx  # noqa: F401  (OpenBLAS before mlx.core)
 
 SCHEMA = {
     "type": "object",
@@ -99,7 +100,7 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
 
     from dflash2_mlx import assets
-    from dflash2_mlx.constrained import Grammar
+    from dflash2_mlx.constraints.grammar import Grammar
     from dflash2_mlx.engine import GenerationSettings, collect, generate_autoregressive, generate_speculative
 
     target, drafter = load_pair()

@@ -52,9 +52,9 @@ def main(argv=None) -> int:
     import jsonschema
 
     from dflash2_mlx import assets
-    from dflash2_mlx.constrained import Grammar
+    from dflash2_mlx.constraints.grammar import Grammar
+    from dflash2_mlx.decoding.sampling import SamplingSettings
     from dflash2_mlx.engine import GenerationSettings, collect, generate_speculative
-    from dflash2_mlx.sampling import SamplingSettings
 
     target, drafter = load_pair()
     tok, runner = target.tokenizer, target.runner

@@ -1,7 +1,7 @@
 """What the benchmarks share: the pair to measure (by default the embedded demo pair) and the report.
 
 Each benchmark still imports ``dflash2_mlx`` before ``mlx.core`` itself (that loads OpenBLAS first,
-see ``dflash2_mlx.blas``); this module is imported from the benchmark's own folder.
+see ``dflash2_mlx.backend.blas``); this module is imported from the benchmark's own folder.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ def load_pair(model: Optional[str] = None, draft_model: Optional[str] = None):
     objects are frozen out of the garbage collector, as the CLI does, so that a full collection does
     not stall whatever is being timed."""
     from dflash2_mlx import assets
-    from dflash2_mlx.loading import freeze_loaded_objects, load_drafter, load_target
+    from dflash2_mlx.models.loading import freeze_loaded_objects, load_drafter, load_target
 
     target = load_target(model or str(assets.demo_target_path()))
     drafter = load_drafter(draft_model or str(assets.demo_drafter_path()))

@@ -20,8 +20,9 @@ import statistics
 import sys
 from pathlib import Path
 
-import dflash2_mlx  # noqa: F401  (OpenBLAS before mlx.core)
 from harness import load_pair
+
+import dflash2_mlx  # noqa: F401  (OpenBLAS before mlx.core)
 
 
 def held_out_tokens(tokenizer, count: int) -> list[int]:

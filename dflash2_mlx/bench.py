@@ -27,7 +27,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Callable, Optional, Sequence
 
-from dflash2_mlx.files import JsonlError, read_jsonl
+from dflash2_mlx.backend.files import JsonlError, read_jsonl
 
 # Written for this project: short instructions whose answers mix prose, code, lists and arithmetic,
 # the kinds of text acceptance differs on. Chat-template lines, for instruction-tuned targets.
@@ -188,8 +188,8 @@ def run_bench(
 
 def profile_cycles(target, drafter, lines: Sequence[dict], settings, encode: Callable[[dict], list[int]]) -> dict:
     """Decode every prompt speculatively once more with a ``CycleProfiler``: per-phase time shares."""
+    from dflash2_mlx.decoding.profiling import CycleProfiler
     from dflash2_mlx.engine import generate_speculative
-    from dflash2_mlx.profiling import CycleProfiler
 
     profiler = CycleProfiler()
     profiled = replace(settings, profiler=profiler)

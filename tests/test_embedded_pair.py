@@ -10,7 +10,7 @@ import pytest
 
 from dflash2_mlx import assets
 from dflash2_mlx.engine import GenerationSettings, collect, generate_autoregressive, generate_speculative
-from dflash2_mlx.loading import load_drafter, load_target
+from dflash2_mlx.models.loading import load_drafter, load_target
 from dflash2_mlx.training.build_demo_pair import CHECKED_FILES, repetition_rate, sha256_file
 
 MAX_TOKENS = 48
@@ -111,7 +111,7 @@ def test_chat_and_the_server_sample_the_demo_pair_with_a_modest_answer_length():
     """Greedily the tiny target loops; its generation_config.json makes chat (and the server, which
     reads the same ``generation_defaults``) sample."""
     from dflash2_mlx.cli.common import chat_sampling
-    from dflash2_mlx.generation_config import generation_defaults
+    from dflash2_mlx.models.generation_config import generation_defaults
 
     target_dir = assets.demo_target_path()
     sampling = chat_sampling(target_dir, None, None, None, None)

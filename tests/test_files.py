@@ -6,8 +6,8 @@ import hashlib
 
 import pytest
 
-from dflash2_mlx.files import JsonlError, read_jsonl, sha256_file
-from dflash2_mlx.progress import ProgressBar
+from dflash2_mlx.backend.files import JsonlError, read_jsonl, sha256_file
+from dflash2_mlx.backend.progress import ProgressBar
 
 
 def test_sha256_file_is_the_sha256_of_the_whole_file_across_read_chunks(tmp_path):
@@ -20,7 +20,7 @@ def test_sha256_file_is_the_sha256_of_the_whole_file_across_read_chunks(tmp_path
 
 
 def test_training_the_demo_build_and_the_prompt_cache_hash_files_with_the_shared_function():
-    from dflash2_mlx import disk_cache
+    from dflash2_mlx.caches import disk as disk_cache
     from dflash2_mlx.cli import train
     from dflash2_mlx.training import build_demo_pair, drafter_trainer
 
@@ -49,8 +49,8 @@ def test_read_jsonl_errors_are_one_line_and_name_the_file_or_the_line(tmp_path):
 
 
 def test_bench_prompts_and_training_data_are_read_by_the_shared_jsonl_reader(tmp_path):
-    from dflash2_mlx.bench import PromptFileError, read_prompts
     from dflash2_mlx.cli.train import read_corpus
+    from dflash2_mlx.diagnostics.bench import PromptFileError, read_prompts
 
     path = tmp_path / "mixed.jsonl"
     path.write_text('{"prompt": "p", "text": "t"}\n{oops\n')

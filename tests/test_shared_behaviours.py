@@ -12,7 +12,7 @@ import json
 import pytest
 from server_helpers import THINK, qwen_style_checkpoint
 
-from dflash2_mlx.generation_config import generation_defaults
+from dflash2_mlx.models.generation_config import generation_defaults
 
 # A Qwen3.5-style thinking template: the generation prompt opens a think block, and an answer's
 # reasoning is rendered only while no user message follows it (later prompts re-render the
@@ -85,7 +85,7 @@ def test_generation_defaults_drop_values_the_sampler_would_refuse_so_chat_and_re
 @pytest.fixture(scope="module")
 def qwen_target(tiny_checkpoints, tmp_path_factory):
     """The tiny target with <think>/</think> tokens and the Qwen3.5-style thinking template."""
-    from dflash2_mlx.loading import load_target
+    from dflash2_mlx.models.loading import load_target
 
     qwen = qwen_style_checkpoint(tiny_checkpoints[0], tmp_path_factory.mktemp("qwen") / "target")
     cfg = json.loads((qwen / "tokenizer_config.json").read_text())
@@ -139,9 +139,8 @@ def test_chat_and_a_server_on_one_model_read_the_same_defaults_and_store_the_sam
     snapshots of the same token prefixes."""
     from fastapi.testclient import TestClient
 
-    from dflash2_mlx.server import ServerConfig, create_app
-
     from dflash2_mlx.cli.common import chat_sampling
+    from dflash2_mlx.server import ServerConfig, create_app
 
     assert generation_defaults(qwen_target.path) == {"temperature": 0.0, "max_new_tokens": 5}
     assert chat_sampling(qwen_target.path, None, None, None, None).greedy
@@ -175,8 +174,8 @@ def test_the_next_turns_prompt_extends_every_boundary_stored_for_this_one(qwen_t
 # ---- the reasoning split ------------------------------------------------------------------------
 
 def test_chat_splits_reasoning_at_the_tokenizers_own_tags_and_starts_where_the_server_does(qwen_target):
-    from dflash2_mlx.reasoning import reasoning_tags
     from dflash2_mlx.server.chat import render_chat
+    from dflash2_mlx.text.reasoning import reasoning_tags
 
     tok = qwen_target.tokenizer
     session = _chat_session(qwen_target)
@@ -189,9 +188,9 @@ def test_chat_splits_reasoning_at_the_tokenizers_own_tags_and_starts_where_the_s
 
 def test_a_model_without_reasoning_tags_answers_in_plain_text_in_chat_as_in_the_server(tiny_checkpoints):
     from dflash2_mlx.cli.chat import ThinkSplitter
-    from dflash2_mlx.loading import load_target
-    from dflash2_mlx.reasoning import reasoning_tags
+    from dflash2_mlx.models.loading import load_target
     from dflash2_mlx.server.chat import OutputParser
+    from dflash2_mlx.text.reasoning import reasoning_tags
 
     tok = load_target(str(tiny_checkpoints[0])).tokenizer
     assert reasoning_tags(tok) is None

@@ -54,7 +54,7 @@ def demo_drafter_path() -> Path:
 
 def demo_prompts() -> list[str]:
     """The demo / bench prompts: raw Python prefixes from held-out stdlib files, fed as is."""
-    from dflash2_mlx.files import read_jsonl
+    from dflash2_mlx.backend.files import read_jsonl
 
     return [item["prompt"] for _, item in read_jsonl(_existing(PROMPTS_FILE, "prompt set"), "prompt set")]
 

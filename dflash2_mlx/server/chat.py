@@ -2,7 +2,7 @@
 
 Rendering goes through the model's own chat template (mlx-lm's ``TokenizerWrapper``), with the
 request's tools and ``chat_template_kwargs``. Message boundaries (for the prefix cache) come from
-``dflash2_mlx.chat_template``, as in ``chat``.
+``dflash2_mlx.text.chat_template``, as in ``chat``.
 
 The output side reuses mlx-lm's ``TextStateMachine`` (the markers of the model's thinking and
 tool-call syntax, matched on text) and the tool parser mlx-lm picked for the tokenizer.
@@ -16,10 +16,9 @@ import uuid
 from dataclasses import dataclass
 from typing import Any, Optional
 
-from dflash2_mlx.chat_template import message_boundaries
-from dflash2_mlx.reasoning import initial_state
-
-from .errors import APIError, bad_request
+from dflash2_mlx.server.errors import APIError, bad_request
+from dflash2_mlx.text.chat_template import message_boundaries
+from dflash2_mlx.text.reasoning import initial_state
 
 log = logging.getLogger("dflash2_mlx.server")
 
@@ -170,7 +169,7 @@ class OutputParser:
         format for this model."""
         from mlx_lm.generate import TextStateMachine
 
-        from .structured import tool_call_markers
+        from dflash2_mlx.server.structured import tool_call_markers
 
         self._sm_cls = TextStateMachine
         self.parse_tools = bool(tool_calls and tools and (forced_tool_calls or getattr(tokenizer, "has_tool_calling", False)))

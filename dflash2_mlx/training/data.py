@@ -20,7 +20,7 @@ from typing import Any, Optional, Sequence
 import mlx.core as mx
 import numpy as np
 
-from dflash2_mlx.progress import ProgressBar
+from dflash2_mlx.backend.progress import ProgressBar
 
 __all__ = ["generate_training_sequences", "sample_windows"]
 
@@ -29,7 +29,7 @@ def _runner(target: Any):
     """The TargetRunner of a ``loading.Target`` (or a TargetRunner itself)."""
     runner = getattr(target, "runner", target)
     if not hasattr(runner, "make_cache") or not hasattr(runner, "lm_head"):
-        raise TypeError(f"expected a dflash2_mlx.loading.Target or TargetRunner, got {type(target).__name__}")
+        raise TypeError(f"expected a dflash2_mlx.models.loading.Target or TargetRunner, got {type(target).__name__}")
     return runner
 
 
