@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import argparse
 import io
-import json
 import random
 import re
 import statistics
@@ -30,6 +29,7 @@ import time
 from pathlib import Path
 
 import mlx.core as mx
+from harness import load_pair, write_report
 from mlx.utils import tree_flatten
 
 import dflash2_mlx  # noqa: F401  (OpenBLAS before mlx.core)
@@ -46,14 +46,11 @@ def op_count(*outputs: mx.array) -> int:
 
 def load(args):
     from dflash2_mlx import assets
-    from dflash2_mlx.models.loading import freeze_loaded_objects, load_drafter, load_target
+    from dflash2_mlx.backend.files import read_jsonl
 
-    target = load_target(args.model or str(assets.demo_target_path()))
-    drafter = load_drafter(args.draft_model or str(assets.demo_drafter_path()))
+    target, drafter = load_pair(args.model, args.draft_model)
     prompts_file = Path(args.prompts or assets.assets_dir() / assets.PROMPTS_FILE)
-    lines = [json.loads(line) for line in prompts_file.read_text().splitlines() if line.strip()]
-    prompts = [target.tokenizer.encode(line["prompt"]) for line in lines]
-    freeze_loaded_objects()
+    prompts = [target.tokenizer.encode(line["prompt"]) for _, line in read_jsonl(prompts_file, "prompt file")]
     return target.runner, drafter, prompts
 
 
@@ -178,9 +175,7 @@ def main(argv=None) -> int:
               file=sys.stderr)
     report = {"settings": {"max_tokens": args.max_tokens, "block_size": args.block_size or drafter.config.block_size,
                            "repeats": args.repeats}, "rows": rows}
-    print(json.dumps(report, indent=1))
-    if args.json:
-        args.json.write_text(json.dumps(report, indent=1) + "\n")
+    write_report(report, args.json)
     return 0
 
 

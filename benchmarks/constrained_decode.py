@@ -25,10 +25,11 @@ refused: the most that masking the drafter's candidates in the selector walk cou
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 from pathlib import Path
+
+from harness import load_pair, write_report
 
 import dflash2_mlx  # noqa: F401  (OpenBLAS before mlx.core)
 
@@ -101,10 +102,8 @@ def main(argv=None) -> int:
     from dflash2_mlx import assets
     from dflash2_mlx.constraints.grammar import Grammar
     from dflash2_mlx.engine import GenerationSettings, collect, generate_autoregressive, generate_speculative
-    from dflash2_mlx.models.loading import load_drafter, load_target
 
-    target = load_target(str(assets.demo_target_path()))
-    drafter = load_drafter(str(assets.demo_drafter_path()))
+    target, drafter = load_pair()
     tok, runner = target.tokenizer, target.runner
     stops = sorted(tok.eos_token_ids)
     if args.code:
@@ -153,9 +152,7 @@ def main(argv=None) -> int:
     report["schema_vs_schema_ar"] = report["modes"]["schema"]["decode_tps_mean"] / report["modes"]["schema-ar"]["decode_tps_mean"]
     report["schema_cycles_ending_at_a_refused_draft"] = ends_at_refusal
     report["schema_cycles"] = results["schema"]["cycles"]
-    print(json.dumps(report, indent=1))
-    if args.json:
-        args.json.write_text(json.dumps(report, indent=1) + "\n")
+    write_report(report, args.json)
     return 0
 
 

@@ -41,6 +41,7 @@ from typing import Callable
 
 import mlx.core as mx
 import mlx.nn as nn
+from harness import write_report
 
 import dflash2_mlx  # noqa: F401  (OpenBLAS before mlx.core)
 
@@ -488,9 +489,7 @@ def main(argv=None) -> int:
         report = {"settings": {"dtype": args.dtype, "bits": args.bits, "context": args.context}, "measured": m, "model": p}
         if args.grammar:
             report["grammar"] = grammar_share(measure_grammar_mask(getattr(mx, args.dtype), args.repeats), p)
-    print(json.dumps(report, indent=1))
-    if args.json:
-        args.json.write_text(json.dumps(report, indent=1) + "\n")
+    write_report(report, args.json)
     return 0
 
 

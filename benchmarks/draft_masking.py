@@ -33,6 +33,7 @@ import dflash2_mlx  # noqa: F401  (OpenBLAS before mlx.core)
 
 sys.path.insert(0, str(Path(__file__).parent))
 from constrained_decode import SCHEMA  # noqa: E402
+from harness import load_pair, write_report  # noqa: E402
 
 MODES = {"auto": None, "masked-drafts": True, "verify-masks-only": False}  # mode -> GenerationSettings.mask_drafts
 
@@ -54,10 +55,8 @@ def main(argv=None) -> int:
     from dflash2_mlx.constraints.grammar import Grammar
     from dflash2_mlx.decoding.sampling import SamplingSettings
     from dflash2_mlx.engine import GenerationSettings, collect, generate_speculative
-    from dflash2_mlx.models.loading import load_drafter, load_target
 
-    target = load_target(str(assets.demo_target_path()))
-    drafter = load_drafter(str(assets.demo_drafter_path()))
+    target, drafter = load_pair()
     tok, runner = target.tokenizer, target.runner
     stops = sorted(tok.eos_token_ids)
     grammar = Grammar.json_schema(SCHEMA, tok, stops)
@@ -98,9 +97,7 @@ def main(argv=None) -> int:
     never = report["verify-masks-only"]["decode_tps_mean"]
     report["speedup"] = report["masked-drafts"]["decode_tps_mean"] / never
     report["auto_speedup"] = report["auto"]["decode_tps_mean"] / never
-    print(json.dumps(report, indent=1))
-    if args.json:
-        args.json.write_text(json.dumps(report, indent=1) + "\n")
+    write_report(report, args.json)
     return 0
 
 

@@ -20,6 +20,8 @@ import statistics
 import sys
 from pathlib import Path
 
+from harness import load_pair
+
 import dflash2_mlx  # noqa: F401  (OpenBLAS before mlx.core)
 
 
@@ -68,11 +70,7 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     if args.reduced_depth:
         return reduced_depth(args.short, args.long, args.repeats)
-    from dflash2_mlx import assets
-    from dflash2_mlx.models.loading import load_drafter, load_target
-
-    target = load_target(args.model or str(assets.demo_target_path()))
-    drafter = load_drafter(args.draft_model or str(assets.demo_drafter_path()))
+    target, drafter = load_pair(args.model, args.draft_model)
     ids = held_out_tokens(target.tokenizer, args.long)
     runs = {args.short: [], len(ids): []}
     for _ in range(args.repeats):

@@ -12,10 +12,10 @@ from pathlib import Path
 
 PACKAGE = Path(__file__).resolve().parent.parent / "dflash2_mlx"
 
-# Bottom to top. `assets` is data (the embedded pair) any layer may read.
+# Bottom to top. `assets` is data (the embedded pair) any layer above the backend may read.
 LAYERS = [
-    "assets",
     "backend",
+    "assets",
     "kernels",
     "fastpaths",
     "caches",

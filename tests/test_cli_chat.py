@@ -172,7 +172,7 @@ def test_ctrl_c_stops_the_answer_and_the_chat_goes_on(endless_pair):
 def test_think_splitter_streams_reasoning_and_answer():
     from dflash2_mlx.cli.chat import ThinkSplitter
 
-    split = ThinkSplitter("<think>", "</think>")
+    split = ThinkSplitter(("<think>", "</think>"))
     pieces = []
     for chunk in ["Hm <thi", "nk>reason", "ing</th", "ink>\n\nThe answer", ""]:
         pieces += split.feed(chunk, final=chunk == "")
@@ -181,7 +181,7 @@ def test_think_splitter_streams_reasoning_and_answer():
     assert think == "reasoning"
     assert answer == "Hm \n\nThe answer"
     # a template that opens the think block in the prompt: the output starts inside it
-    split = ThinkSplitter("<think>", "</think>", in_think=True)
+    split = ThinkSplitter(("<think>", "</think>"), in_think=True)
     pieces = split.feed("plan</think>done", final=True)
     assert [(r, t) for r, t in pieces if t] == [(True, "plan"), (False, "done")]
 
@@ -230,17 +230,18 @@ QWEN_STYLE_TEMPLATE = (
 @pytest.mark.parametrize("thinking", [True, False])
 def test_chat_reuses_message_boundaries_with_a_thinking_template(tiny_checkpoints, tmp_path, thinking):
     import io
-    import shutil
 
     from rich.console import Console
+    from server_helpers import qwen_style_checkpoint
 
     from dflash2_mlx.cli.chat import ChatSession
     from dflash2_mlx.engine import GenerationSettings
     from dflash2_mlx.models.loading import load_drafter, load_target
 
     target_dir, drafter_dir = tiny_checkpoints
-    qwen = tmp_path / "qwen-style"
-    shutil.copytree(target_dir, qwen)
+    # <think> and </think> are tokens of its vocabulary, as in a real Qwen tokenizer: the chat splits
+    # reasoning at the tokenizer's own tags only
+    qwen = qwen_style_checkpoint(target_dir, tmp_path / "qwen-style")
     cfg = json.loads((qwen / "tokenizer_config.json").read_text())
     cfg["chat_template"] = QWEN_STYLE_TEMPLATE
     (qwen / "tokenizer_config.json").write_text(json.dumps(cfg))
@@ -275,7 +276,8 @@ def test_reasoning_is_dimmed_and_collapsible():
 
     for show in (False, True):
         buf = io.StringIO()
-        printer = TurnPrinter(Console(file=buf, width=80, force_terminal=True, color_system="standard"), show, ThinkSplitter())
+        console = Console(file=buf, width=80, force_terminal=True, color_system="standard")
+        printer = TurnPrinter(console, show, ThinkSplitter(("<think>", "</think>")))
         for piece in ["<think>", "weighing ", "options</thi", "nk>\n\nThe answer ", "is 4."]:
             printer.feed(piece)
         printer.close()

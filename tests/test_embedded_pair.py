@@ -108,17 +108,17 @@ def test_zlab_reference_loads_the_pair_and_matches_tokens_and_acceptance(pair, e
 
 
 def test_chat_and_the_server_sample_the_demo_pair_with_a_modest_answer_length():
-    """Greedily the tiny target loops; its generation_config.json makes chat and the server sample."""
-    from dflash2_mlx.cli.common import chat_sampling, generation_defaults
-    from dflash2_mlx.server.worker import _generation_defaults
+    """Greedily the tiny target loops; its generation_config.json makes chat (and the server, which
+    reads the same ``generation_defaults``) sample."""
+    from dflash2_mlx.cli.common import chat_sampling
+    from dflash2_mlx.models.generation_config import generation_defaults
 
     target_dir = assets.demo_target_path()
     sampling = chat_sampling(target_dir, None, None, None, None)
     assert 0 < sampling.temperature <= 1 and sampling.top_p < 1
     assert 0 < generation_defaults(target_dir)["max_new_tokens"] <= 512
-    server = _generation_defaults(target_dir)
-    assert server["temperature"] == sampling.temperature and server["top_p"] == sampling.top_p
-    assert server["max_new_tokens"] == generation_defaults(target_dir)["max_new_tokens"]
+    defaults = generation_defaults(target_dir)
+    assert defaults["temperature"] == sampling.temperature and defaults["top_p"] == sampling.top_p
 
 
 def test_the_recorded_defaults_evaluation_is_of_the_shipped_defaults():

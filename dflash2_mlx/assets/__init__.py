@@ -54,8 +54,9 @@ def demo_drafter_path() -> Path:
 
 def demo_prompts() -> list[str]:
     """The demo / bench prompts: raw Python prefixes from held-out stdlib files, fed as is."""
-    lines = _existing(PROMPTS_FILE, "prompt set").read_text(encoding="utf-8").splitlines()
-    return [json.loads(line)["prompt"] for line in lines if line.strip()]
+    from dflash2_mlx.backend.files import read_jsonl
+
+    return [item["prompt"] for _, item in read_jsonl(_existing(PROMPTS_FILE, "prompt set"), "prompt set")]
 
 
 def manifest() -> dict:

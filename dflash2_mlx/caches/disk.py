@@ -40,6 +40,7 @@ from typing import Optional, Sequence
 import mlx.core as mx
 import numpy as np
 
+from dflash2_mlx.backend.files import sha256_file
 from dflash2_mlx.caches.drafter_context import ContextCache
 from dflash2_mlx.caches.target import CacheSnapshot
 
@@ -72,7 +73,7 @@ def pair_identity(target_path: Path, drafter_path: Optional[Path], dtype: str) -
             st = f.stat()
             parts.append(f"{f.name} {st.st_size} {st.st_mtime_ns}")
             if f.name == "config.json":
-                parts.append(hashlib.sha256(f.read_bytes()).hexdigest())
+                parts.append(sha256_file(f))
     return hashlib.sha256("\n".join(parts).encode()).hexdigest()
 
 

@@ -27,9 +27,7 @@ from dflash2_mlx.cli.common import (
     encode_messages,
     fail,
     fmt_seconds,
-    generation_defaults,
     load_models,
-    message_boundaries,
     model_option,
     parse_block_size,
     preset_option,
@@ -40,6 +38,9 @@ from dflash2_mlx.cli.common import (
     schema_grammar,
 )
 from dflash2_mlx.cli.line_reader import read_line_function
+from dflash2_mlx.models.generation_config import generation_defaults
+from dflash2_mlx.text.chat_template import message_boundaries
+from dflash2_mlx.text.reasoning import initial_state, reasoning_tags
 
 DEFAULT_MAX_TOKENS = 2048  # when neither --max-tokens nor the model's generation_config.json sets one
 
@@ -62,17 +63,22 @@ Input
 
 
 class ThinkSplitter:
-    """Splits streamed text into reasoning and answer at the think tags, across chunk borders.
+    """Splits streamed text into reasoning and answer at the reasoning tags, across chunk borders.
 
-    ``feed`` returns (is_reasoning, text) pieces; crossing a tag yields an empty piece of the new
-    kind, so the caller sees the switch even before any text of it arrives.
+    ``tags`` are the tokenizer's own (``reasoning.reasoning_tags``); None (a model without a
+    reasoning block) makes everything answer, as the server's ``OutputParser`` does. ``feed``
+    returns (is_reasoning, text) pieces; crossing a tag yields an empty piece of the new kind, so
+    the caller sees the switch even before any text of it arrives.
     """
 
-    def __init__(self, start: str = "<think>", end: str = "</think>", in_think: bool = False):
-        self.start, self.end, self.in_think = start, end, in_think
+    def __init__(self, tags: Optional[tuple[str, str]], in_think: bool = False):
+        self.start, self.end = tags if tags is not None else (None, None)
+        self.in_think = in_think and tags is not None
         self.buffer = ""
 
     def feed(self, text: str, final: bool = False) -> list[tuple[bool, str]]:
+        if self.start is None:
+            return [(False, text)] if text else []
         self.buffer += text
         out: list[tuple[bool, str]] = []
         while True:
@@ -240,9 +246,7 @@ class ChatSession:
         self.turns: list[Turn] = []
         self.last_reasoning = ""
         self.warned = False
-        tok = self.tokenizer
-        has = getattr(tok, "has_thinking", False)
-        self.tags = (tok.think_start, tok.think_end) if has and tok.think_start and tok.think_end else ("<think>", "</think>")
+        self.tags = reasoning_tags(self.tokenizer)
         self.read_line, self.clear_input = read_line_function()
 
     # -- conversation -------------------------------------------------------------------------
@@ -255,11 +259,6 @@ class ChatSession:
         conv = self.conversation()
         ids = encode_messages(self.tokenizer, conv, **self.template_kwargs)
         return ids, message_boundaries(self.tokenizer, conv, ids, **self.template_kwargs)
-
-    def _starts_in_thinking(self, ids: list[int]) -> bool:
-        tail = self.tokenizer.decode(ids[-24:])
-        start, end = self.tags
-        return start in tail and tail.rfind(start) > tail.rfind(end)
 
     def answer(self, user_text: str) -> Optional[Turn]:
         from dflash2_mlx.cli.common import UserError
@@ -282,7 +281,7 @@ class ChatSession:
             events = generate_autoregressive(self.target.runner, ids, settings, self.tokenizer,
                                              prefix_cache=self.cache, save_at=save_at)
         printer = TurnPrinter(self.console, self.show_thinking,
-                              ThinkSplitter(*self.tags, in_think=self._starts_in_thinking(ids)))
+                              ThinkSplitter(self.tags, in_think=initial_state(self.tokenizer, ids) == "reasoning"))
         stats, ttft = None, None
         previous = signal.signal(signal.SIGINT, lambda *_: cancel.set())
         try:
@@ -558,7 +557,8 @@ def chat_command(
 ) -> None:
     """Chat in the terminal with streaming answers, using the model's chat template.
 
-    Each answer streams as it is decoded; reasoning (<think> text) is shown dimmed while it is
+    Each answer streams as it is decoded; reasoning (text inside the model's own thinking tags,
+    e.g. <think>) is shown dimmed while it is
     written and then collapsed to one line (/think shows it, --show-thinking keeps it). After
     each answer one line gives the tokens, decode tok/s, acceptance length (tokens per verify
     cycle), time to first token and how much of the prompt was prefilled versus restored from

@@ -1,5 +1,5 @@
 """What the commands share: which models to load (defaults, presets, the embedded pair), loading
-them with a status line, chat-template encoding with message boundaries, and one-line errors."""
+them with a status line, chat-template encoding, and one-line errors."""
 
 from __future__ import annotations
 
@@ -216,29 +216,6 @@ def encode_messages(tokenizer, messages: Sequence[dict], add_generation_prompt: 
         fail(f"the chat template rejected the conversation: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}")
 
 
-def message_boundaries(tokenizer, messages: Sequence[dict], prompt: Sequence[int], **template_kwargs) -> list[int]:
-    """Positions in ``prompt`` where a message of ``messages`` ends (for ``save_at``).
-
-    Each prefix of the conversation is rendered on its own; only renderings that are an exact
-    token prefix of the full prompt count (templates that re-render earlier turns, e.g. dropping
-    thinking blocks, produce no boundary there, which is right: no later prompt shares it).
-    """
-    if not getattr(tokenizer, "chat_template", None):
-        return []
-    out = []
-    # The last few prefixes are enough: earlier boundaries were stored by earlier turns.
-    for k in range(max(1, len(messages) - 2), len(messages) + 1):
-        try:
-            ids = tokenizer.apply_chat_template(list(messages[:k]), add_generation_prompt=False, tokenize=True,
-                                                **template_kwargs)
-        except Exception:
-            continue
-        n = len(ids)
-        if 0 < n < len(prompt) and list(prompt[:n]) == list(ids):
-            out.append(n)
-    return sorted(set(out))
-
-
 def encode_line(tokenizer, line: dict, **template_kwargs) -> list[int]:
     """A bench/demo prompt line: {"prompt": text} fed as is, {"messages": [...]} templated."""
     if "messages" in line:
@@ -260,28 +237,10 @@ def fmt_seconds(s: float) -> str:
     return f"{s * 1000:.0f} ms" if s < 1 else f"{s:.2f} s"
 
 
-def generation_defaults(model_dir: Path) -> dict:
-    """Defaults from the model's generation_config.json: sampling (temperature, top_p, top_k,
-    min_p) and the answer length (max_new_tokens)."""
-    import json
-
-    try:
-        cfg = json.loads((Path(model_dir) / "generation_config.json").read_text())
-    except (OSError, ValueError):
-        return {}
-    out = {}
-    if isinstance(cfg.get("max_new_tokens"), int) and not isinstance(cfg["max_new_tokens"], bool) and cfg["max_new_tokens"] > 0:
-        out["max_new_tokens"] = cfg["max_new_tokens"]
-    if cfg.get("do_sample") is False:
-        return {**out, "temperature": 0.0}
-    for key in ("temperature", "top_p", "top_k", "min_p"):
-        if isinstance(cfg.get(key), (int, float)) and not isinstance(cfg.get(key), bool):
-            out[key] = cfg[key]
-    return out
-
-
 def chat_sampling(model_dir: Path, temp, top_p, top_k, min_p):
     """Sampling settings: explicit options win, then generation_config.json, then greedy."""
+    from dflash2_mlx.models.generation_config import generation_defaults
+
     d = generation_defaults(model_dir)
     return sampling_settings(
         temp if temp is not None else float(d.get("temperature", 0.0)),

@@ -10,7 +10,6 @@ record, the optimiser state) so that rerunning the same command resumes.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import sys
 from pathlib import Path
@@ -18,6 +17,7 @@ from typing import Optional
 
 import typer
 
+from dflash2_mlx.backend.files import JsonlError, read_jsonl, sha256_file
 from dflash2_mlx.cli.common import UserError
 
 TEXT_SUFFIXES = (".txt", ".md")
@@ -26,14 +26,6 @@ TEXT_SUFFIXES = (".txt", ".md")
 def _user_error(message: str) -> Exception:
     """The app's one-line error type."""
     return UserError(message)
-
-
-def _sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            h.update(chunk)
-    return h.hexdigest()
 
 
 def _read_text(path: Path) -> str:
@@ -47,15 +39,13 @@ def _read_text(path: Path) -> str:
 
 def _read_jsonl(path: Path) -> list[str]:
     texts = []
-    for number, line in enumerate(_read_text(path).splitlines(), 1):
-        if not line.strip():
-            continue
-        try:
-            record = json.loads(line)
-        except json.JSONDecodeError as e:
-            raise ValueError(f"{path} line {number} is not JSON ({e.msg}); expected one {{\"text\": ...}} object per line") from None
+    try:
+        records = read_jsonl(path, "data file")
+    except JsonlError as e:
+        raise ValueError(f"{e}; expected one {{\"text\": ...}} object per line") from None
+    for number, record in records:
         if not isinstance(record, dict) or not isinstance(record.get("text"), str):
-            raise ValueError(f"{path} line {number} has no \"text\" string; expected one {{\"text\": ...}} object per line")
+            raise ValueError(f"{path}:{number}: no \"text\" string; expected one {{\"text\": ...}} object per line")
         texts.append(record["text"])
     return texts
 
@@ -78,7 +68,7 @@ def read_corpus(path: Path) -> tuple[list[str], list[dict]]:
             documents += _read_jsonl(f)
         elif f.suffix.lower() in TEXT_SUFFIXES or f == path:
             documents.append(_read_text(f))
-        records.append({"file": str(f), "sha256": _sha256(f), "bytes": f.stat().st_size})
+        records.append({"file": str(f), "sha256": sha256_file(f), "bytes": f.stat().st_size})
     documents = [d for d in documents if d.strip()]
     if not documents:
         raise ValueError(f"data path {path} holds no text")

@@ -23,10 +23,11 @@ Prompt files are JSON lines: ``{"prompt": "..."}`` (fed as is, no chat template)
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Callable, Optional, Sequence
+
+from dflash2_mlx.backend.files import JsonlError, read_jsonl
 
 # Written for this project: short instructions whose answers mix prose, code, lists and arithmetic,
 # the kinds of text acceptance differs on. Chat-template lines, for instruction-tuned targets.
@@ -49,22 +50,11 @@ class PromptFileError(ValueError):
 
 def read_prompts(path: str | Path) -> list[dict]:
     """Lines of a prompts JSONL file, validated (blank lines are skipped)."""
-    path = Path(path)
     try:
-        text = path.read_text(encoding="utf-8")
-    except FileNotFoundError:
-        raise PromptFileError(f"prompt file {path} does not exist") from None
-    except (OSError, UnicodeDecodeError) as e:
-        raise PromptFileError(f"cannot read prompt file {path}: {e}") from None
-    lines = []
-    for number, raw in enumerate(text.splitlines(), 1):
-        if not raw.strip():
-            continue
-        try:
-            item = json.loads(raw)
-        except json.JSONDecodeError as e:
-            raise PromptFileError(f"{path}:{number}: not valid JSON ({e.msg})") from None
-        lines.append(validate_line(item, f"{path}:{number}"))
+        records = read_jsonl(path, "prompt file")
+    except JsonlError as e:
+        raise PromptFileError(str(e)) from None
+    lines = [validate_line(item, f"{path}:{number}") for number, item in records]
     if not lines:
         raise PromptFileError(f"prompt file {path} has no prompts")
     return lines

@@ -1,8 +1,8 @@
 """Prompts from chat messages, and the model's output split into content, reasoning and tool calls.
 
 Rendering goes through the model's own chat template (mlx-lm's ``TokenizerWrapper``), with the
-request's tools and ``chat_template_kwargs``. Message boundaries (for the prefix cache) are the
-token positions where the rendering of the first k messages stops agreeing with the full prompt.
+request's tools and ``chat_template_kwargs``. Message boundaries (for the prefix cache) come from
+``dflash2_mlx.text.chat_template``, as in ``chat``.
 
 The output side reuses mlx-lm's ``TextStateMachine`` (the markers of the model's thinking and
 tool-call syntax, matched on text) and the tool parser mlx-lm picked for the tokenizer.
@@ -17,6 +17,8 @@ from dataclasses import dataclass
 from typing import Any, Optional
 
 from dflash2_mlx.server.errors import APIError, bad_request
+from dflash2_mlx.text.chat_template import message_boundaries
+from dflash2_mlx.text.reasoning import initial_state
 
 log = logging.getLogger("dflash2_mlx.server")
 
@@ -26,7 +28,6 @@ RESERVED_TEMPLATE_KWARGS = {
     "return_dict", "return_tensors", "padding", "truncation", "max_length", "continue_final_message",
     "chat_template", "tokenizer_kwargs", "return_assistant_tokens_mask",
 }
-MAX_BOUNDARIES = 8
 
 
 # ---- requests -> template messages -------------------------------------------------------------
@@ -132,7 +133,7 @@ def render_chat(tokenizer, messages: list[dict], tools: Optional[list], kwargs: 
     if tools:
         extra["tools"] = tools
     ids = _apply(tokenizer, messages, True, extra)
-    save_at = boundaries(tokenizer, messages, ids, extra) if with_boundaries else []
+    save_at = message_boundaries(tokenizer, messages, ids, **extra) if with_boundaries else []
     return Prompt(ids, save_at, initial_state(tokenizer, ids))
 
 
@@ -147,37 +148,6 @@ def _apply(tokenizer, messages, add_generation_prompt: bool, extra: dict) -> lis
     if isinstance(ids, dict):  # a BatchEncoding from some tokenizers
         ids = ids["input_ids"]
     return [int(t) for t in ids]
-
-
-def boundaries(tokenizer, messages: list[dict], ids: list[int], extra: dict) -> list[int]:
-    """Token positions where a message ends and the full prompt still agrees with the rendering
-    of the messages so far: prefix-cache snapshots there serve the next turn of the conversation."""
-    out = set()
-    # k = len(messages) (the conversation so far, without the generation prompt) is the one the
-    # next turn shares: templates re-render the reply of this turn (e.g. without its thinking).
-    for k in range(max(1, len(messages) + 1 - MAX_BOUNDARIES), len(messages) + 1):
-        try:
-            part = tokenizer.apply_chat_template(messages[:k], add_generation_prompt=False, tokenize=True, **extra)
-        except Exception:  # a template may refuse a partial conversation (e.g. no user message yet)
-            continue
-        if isinstance(part, dict):
-            part = part["input_ids"]
-        n = 0
-        for a, b in zip(part, ids):
-            if a != b:
-                break
-            n += 1
-        if 0 < n < len(ids):
-            out.add(n)
-    return sorted(out)
-
-
-def initial_state(tokenizer, ids: list[int]) -> str:
-    state = "normal"
-    if getattr(tokenizer, "has_thinking", False):
-        if tokenizer.rfind_think_start(ids) > tokenizer.rfind_think_end(ids):
-            state = "reasoning"
-    return getattr(tokenizer, "response_initial_state", None) or state
 
 
 # ---- output parsing ----------------------------------------------------------------------------

@@ -253,6 +253,7 @@ class Worker:
 
         from dflash2_mlx.caches.disk import open_disk_cache
         from dflash2_mlx.caches.prefix import PrefixCache
+        from dflash2_mlx.models.generation_config import generation_defaults
         from dflash2_mlx.models.loading import freeze_loaded_objects
 
         self.tokenizer = self.target.tokenizer
@@ -260,7 +261,7 @@ class Worker:
         limits = [n for n in (runner.max_context, self.max_context_limit) if n]
         self.max_context = min(limits) if limits else None
         self.vocab_size = runner.vocab_size or len(self.tokenizer)
-        self.defaults = _generation_defaults(self.target.path)
+        self.defaults = generation_defaults(self.target.path)
         # Constrained decoding needs llguidance's view of the tokenizer (seconds at a 248K
         # vocabulary): build it in the background so the first structured request rarely waits.
         from dflash2_mlx.constraints.grammar import grammar_tokenizer
@@ -393,27 +394,3 @@ class Worker:
                 if pc.disk is not None:
                     m.prompt_cache_disk_bytes, m.prompt_cache_disk_entries = pc.disk.nbytes, len(pc.disk)
 
-
-def _generation_defaults(path: Path) -> dict:
-    """Defaults from the model's generation_config.json: sampling (temperature, top_p, top_k,
-    min_p) and the answer length (max_new_tokens: the server's max_tokens when a request and
-    --default-max-tokens give none)."""
-    import json
-
-    try:
-        cfg = json.loads((Path(path) / "generation_config.json").read_text())
-    except (OSError, ValueError):
-        return {}
-    if not isinstance(cfg, dict):
-        return {}
-    out = {}
-    limit = cfg.get("max_new_tokens")
-    if isinstance(limit, int) and not isinstance(limit, bool) and limit > 0:
-        out["max_new_tokens"] = limit
-    if cfg.get("do_sample") is False:
-        return out
-    for key in ("temperature", "top_p", "top_k", "min_p"):
-        value = cfg.get(key)
-        if isinstance(value, (int, float)) and not isinstance(value, bool):
-            out[key] = value
-    return out

@@ -38,6 +38,7 @@ os.environ.setdefault("RAYON_NUM_THREADS", "2")  # the tokenizers trainer; merge
 import numpy as np  # noqa: E402
 
 from dflash2_mlx.backend import blas as _blas  # noqa: E402  (OpenBLAS before mlx.core)
+from dflash2_mlx.backend.files import read_jsonl, sha256_file  # noqa: E402
 from dflash2_mlx.training import corpus as corpus_mod  # noqa: E402
 from dflash2_mlx.training import tokenizer as tok_mod  # noqa: E402
 
@@ -114,14 +115,6 @@ QUICK = dataclasses.replace(
 def fix_threads(n: int = THREADS) -> str:
     """Pin the BLAS to the build's thread count; says what runs (recorded in MANIFEST)."""
     return _blas.set_threads(n)
-
-
-def sha256_file(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            h.update(chunk)
-    return h.hexdigest()
 
 
 class Log:
@@ -723,7 +716,7 @@ def record_defaults(out: Path) -> dict:
     fix_threads()
     path = out / "MANIFEST.json"
     m = json.loads(path.read_text())
-    prompts = [json.loads(line)["prompt"] for line in (out / "prompts.jsonl").read_text().splitlines() if line.strip()]
+    prompts = [item["prompt"] for _, item in read_jsonl(out / "prompts.jsonl", "prompt set")]
     t = time.perf_counter()
     m["evaluation"]["defaults"] = evaluate_defaults(out / TARGET_DIR, out / DRAFTER_DIR, prompts, m["seed"], Log())
     m["timings"]["defaults_evaluation_seconds"] = round(time.perf_counter() - t, 1)

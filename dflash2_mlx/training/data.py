@@ -20,6 +20,8 @@ from typing import Any, Optional, Sequence
 import mlx.core as mx
 import numpy as np
 
+from dflash2_mlx.backend.progress import ProgressBar
+
 __all__ = ["generate_training_sequences", "sample_windows"]
 
 
@@ -99,19 +101,18 @@ def generate_training_sequences(
 
     out = np.empty((num_sequences, prefix_len + continuation_len), dtype=np.int32)
     out[:, :prefix_len] = prefixes
-    bar = _Progress(num_sequences * continuation_len, "generating continuations") if progress else None
+    bar = ProgressBar(num_sequences * continuation_len, "generating continuations", "tokens", enabled=progress)
     try:
         for start in range(0, num_sequences, batch_size):
             batch = prefixes[start : start + batch_size]
             key = mx.random.key(int(seed) * 1_000_003 + start) if temperature > 0 else None
             out[start : start + len(batch), prefix_len:] = _continuation(runner, batch, continuation_len, bar, temperature, key)
     finally:
-        if bar is not None:
-            bar.close()
+        bar.close()
     return out
 
 
-def _continuation(runner, prefixes: np.ndarray, length: int, bar: Optional["_Progress"],
+def _continuation(runner, prefixes: np.ndarray, length: int, bar: ProgressBar,
                   temperature: float = 0.0, key: Optional[mx.array] = None) -> np.ndarray:
     """[n, length]: argmax decoding (temperature 0, as plain decoding does it) or sampling at
     ``temperature`` (one key per step split from ``key``) of a batch of equal-length prefixes."""
@@ -129,37 +130,5 @@ def _continuation(runner, prefixes: np.ndarray, length: int, bar: Optional["_Pro
         if i + 1 < length:
             logits, _ = runner(nxt[:, None], cache)
         mx.eval(nxt, logits)
-        if bar is not None:
-            bar.advance(len(prefixes))
+        bar.advance(len(prefixes))
     return np.array(mx.stack(generated, axis=1))
-
-
-class _Progress:
-    """A rich progress bar on stderr (tokens generated, tokens/s)."""
-
-    def __init__(self, total: int, label: str):
-        from rich.console import Console
-        from rich.progress import (
-            BarColumn,
-            MofNCompleteColumn,
-            Progress,
-            TextColumn,
-            TimeElapsedColumn,
-            TimeRemainingColumn,
-        )
-
-        self.progress = Progress(
-            TextColumn(label), BarColumn(), MofNCompleteColumn(), TextColumn("tokens"),
-            TextColumn("{task.fields[rate]}"),
-            TimeElapsedColumn(), TimeRemainingColumn(), console=Console(stderr=True),
-        )
-        self.task = self.progress.add_task(label, total=total, rate="")
-        self.progress.start()
-
-    def advance(self, n: int) -> None:
-        self.progress.advance(self.task, n)
-        speed = self.progress.tasks[0].speed
-        self.progress.update(self.task, rate=f"{speed:.0f} tok/s" if speed else "")
-
-    def close(self) -> None:
-        self.progress.stop()

@@ -86,6 +86,8 @@ import mlx.optimizers as optim
 import numpy as np
 from mlx.utils import tree_flatten, tree_unflatten
 
+from dflash2_mlx.backend.files import sha256_file
+from dflash2_mlx.backend.progress import ProgressBar
 from dflash2_mlx.models.drafter import Drafter
 from dflash2_mlx.models.drafter_config import DFLASH1, DFLASH2, DrafterConfig, build_target_layer_ids
 from dflash2_mlx.models.selector import top_k_candidates
@@ -687,14 +689,6 @@ class _Features:
 # ---------------------------------------------------------------------------------------------
 
 
-def _sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            h.update(chunk)
-    return h.hexdigest()
-
-
 def _data_fingerprint(sequences: np.ndarray, continuation_start: int) -> str:
     h = hashlib.sha256(np.ascontiguousarray(sequences, dtype=np.int32).tobytes())
     h.update(f"{sequences.shape}:{continuation_start}".encode())
@@ -720,7 +714,7 @@ def _save_checkpoint(out_dir: Path, drafter: Drafter, optimizer: optim.Optimizer
     mx.save_safetensors(str(tmp_opt), dict(sorted((k, v) for k, v in tree_flatten(optimizer.state) if k not in ("step", "learning_rate"))))
     tmp_cfg = sd / "config.partial.json"
     tmp_cfg.write_text(json.dumps(drafter.config.to_dict(), indent=2))
-    state = dict(state, model_sha256=_sha256(tmp_model), optimizer_sha256=_sha256(tmp_opt))
+    state = dict(state, model_sha256=sha256_file(tmp_model), optimizer_sha256=sha256_file(tmp_opt))
     tmp_state = sd / "state.partial.json"
     tmp_state.write_text(json.dumps(state, indent=2))
     os.replace(tmp_model, out_dir / "model.safetensors")
@@ -743,7 +737,8 @@ def load_checkpoint_state(out_dir: Path) -> Optional[dict]:
 def _resume(out_dir: Path, state: dict, drafter: Drafter, optimizer: optim.Optimizer) -> None:
     sd = out_dir / STATE_DIR
     model_path, opt_path = out_dir / "model.safetensors", sd / "optimizer.safetensors"
-    if not model_path.exists() or not opt_path.exists() or _sha256(model_path) != state.get("model_sha256") or _sha256(opt_path) != state.get("optimizer_sha256"):
+    if (not model_path.exists() or not opt_path.exists() or sha256_file(model_path) != state.get("model_sha256")
+            or sha256_file(opt_path) != state.get("optimizer_sha256")):
         raise ValueError(
             f"the checkpoint in {out_dir} is incomplete (interrupted while saving); "
             f"delete {out_dir} (or use another output directory) to start afresh"
@@ -772,31 +767,6 @@ def learning_rate_at(config: DrafterTrainingConfig, fraction: float) -> float:
         return peak * (fraction / warm)
     span = max(1.0 - warm, 1e-9)
     return floor + 0.5 * (peak - floor) * (1.0 + math.cos(math.pi * (fraction - warm) / span))
-
-
-class _Bar:
-    def __init__(self, total: float, unit: str, enabled: bool):
-        self.enabled = enabled
-        if not enabled:
-            return
-        from rich.console import Console
-        from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn
-
-        self.progress = Progress(
-            BarColumn(bar_width=12), TextColumn(f"{{task.completed:.0f}}/{{task.total:.0f}}{unit}"),
-            TextColumn("{task.fields[stats]}"), TimeRemainingColumn(),
-            console=Console(stderr=True),
-        )
-        self.task = self.progress.add_task("train", total=total, stats="")
-        self.progress.start()
-
-    def update(self, completed: float, stats: str = "") -> None:
-        if self.enabled:
-            self.progress.update(self.task, completed=completed, stats=stats)
-
-    def close(self) -> None:
-        if self.enabled:
-            self.progress.stop()
 
 
 def _format(m: dict) -> str:
@@ -943,7 +913,8 @@ def train_drafter(
             _save_checkpoint(out_dir, drafter, optimizer, record(step, True))
         return out_dir
 
-    bar = _Bar(total_steps if total_steps is not None else budget, "" if total_steps is not None else "s", progress)
+    by_steps = total_steps is not None
+    bar = ProgressBar(total_steps if by_steps else budget, "train", "" if by_steps else "s", enabled=progress)
     window: dict[str, float] = {}
     window_steps, window_time = 0, 0.0
     seq_tokens = config.batch_size * seq_len
