@@ -210,8 +210,10 @@ def tool_call_rules(constraint: OutputConstraint, tokenizer) -> str:
     or more separated by newlines), the arguments following the chosen tool's parameters schema."""
     from dflash2_mlx.constrained import JSON_OPTIONS
 
+    from .argument_bounds import bounded_numbers
+
     start, end = tool_call_markers(tokenizer)
-    calls = [{"type": "object", "properties": {"name": {"const": t.name}, "arguments": t.parameters},
+    calls = [{"type": "object", "properties": {"name": {"const": t.name}, "arguments": bounded_numbers(t.parameters)},
               "required": ["name", "arguments"], "additionalProperties": False} for t in constraint.tools]
     schema = calls[0] if len(calls) == 1 else {"anyOf": calls}
     schema = {**schema, "x-guidance": JSON_OPTIONS}
