@@ -256,7 +256,7 @@ class OutputParser:
         self.state, rest, name = self._sm_cls.flush(self.state)
         out = self._collect([(name, self._without_cut_markup(rest))])
         if self.current == "tool" and self.tool_text:
-            out += self._tool_delta(self.tool_text, terminated=False)
+            out += self._tool_delta(self.tool_text)
             self.tool_text = ""
         return out
 
@@ -264,7 +264,7 @@ class OutputParser:
         out: list[Delta] = []
         for state, text in segments:
             if self.current == "tool" and state != "tool":
-                out += self._tool_delta(self.tool_text, terminated=True)
+                out += self._tool_delta(self.tool_text)
                 self.tool_text = ""
             if self.current == "reasoning" and state == "normal":
                 self._strip = True
@@ -289,7 +289,7 @@ class OutputParser:
                 return text[:i]
         return text
 
-    def _tool_delta(self, text: str, terminated: bool) -> list[Delta]:
+    def _tool_delta(self, text: str) -> list[Delta]:
         """The calls in one tool-call body. A body that does not parse (cut off by the token limit,
         or malformed) is still a call when its name can be read (``complete`` false, ``arguments``
         the JSON text written so far), else it is dropped: its markup never becomes content."""
