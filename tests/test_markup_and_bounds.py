@@ -82,6 +82,22 @@ def test_a_malformed_call_with_a_readable_name_is_a_call_and_one_without_is_drop
     assert acc.tool_calls == [] and acc.content == "Done."
 
 
+def test_an_xml_call_cut_off_keeps_its_name_and_the_parameters_complete_so_far():
+    """Qwen3-Coder / Qwen3.5 write XML calls; their parameters are read by mlx-lm's own parser."""
+    from mlx_lm.tool_parsers.qwen3_coder import parse_tool_call
+
+    from dflash2_mlx.server.chat import parse_tool_calls
+    from dflash2_mlx.server.markup import unfinished_tool_call
+
+    tools = [{"type": "function", "function": {"name": "get_weather", "parameters": {
+        "type": "object", "properties": {"city": {"type": "string"}, "days": {"type": "integer"}}}}}]
+    parse = lambda body: parse_tool_calls(parse_tool_call, body, tools)  # noqa: E731
+    head = "\n<function=get_weather>\n<parameter=days>\n3\n</parameter>\n"
+    assert unfinished_tool_call(head + "<parameter=city>\nPar", parse) == ("get_weather", '{"days": 3}')
+    assert unfinished_tool_call("\n<function=get_weather>\n<param", parse) == ("get_weather", "{}")
+    assert unfinished_tool_call("\n<function=get_wea", parse) is None
+
+
 def test_each_api_reports_a_cut_off_call_in_its_own_shape(qwen_tokenizer):
     from dflash2_mlx.server.anthropic_api import MessagesFormatter
     from dflash2_mlx.server.openai_api import ChatFormatter

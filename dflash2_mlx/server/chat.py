@@ -297,7 +297,7 @@ class OutputParser:
 
         calls = parse_tool_calls(self.tool_parser, text, self.tools)
         if calls is None:
-            unfinished = unfinished_tool_call(text)
+            unfinished = unfinished_tool_call(text, lambda body: parse_tool_calls(self.tool_parser, body, self.tools))
             if unfinished is None:
                 if text.strip():
                     log_dropped_call(text)

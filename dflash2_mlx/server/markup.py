@@ -3,8 +3,9 @@
 ``OutputParser`` (``chat.py``) strips every string ``markup_strings`` lists from content and
 reasoning, streamed or not. A tool call whose JSON body does not parse is read with
 ``unfinished_tool_call``: with its name readable it is still reported as a call (``complete``
-false, ``arguments`` the JSON text written so far), otherwise it is dropped; either way its
-``<tool_call>`` text never reaches the content. ``partial_arguments`` turns such arguments into the
+false, ``arguments`` the JSON text written so far, or for Qwen3-Coder-style XML calls the object of
+the parameters complete so far), otherwise it is dropped; either way its ``<tool_call>`` text never
+reaches the content. ``partial_arguments`` turns such arguments into the
 JSON object Anthropic's ``tool_use.input`` must be. docs/server.md "Truncated and malformed tool
 calls" says what each API then reports.
 """
@@ -14,7 +15,7 @@ from __future__ import annotations
 import json
 import logging
 import re
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 log = logging.getLogger("dflash2_mlx.server")
 
@@ -22,6 +23,9 @@ log = logging.getLogger("dflash2_mlx.server")
 # (structured.tool_call_rules) and mlx-lm's json_tools models write the name first.
 _NAME = re.compile(r'\s*\{\s*"name"\s*:\s*"((?:[^"\\]|\\.)*)"(.*)', re.DOTALL)
 _ARGUMENTS = re.compile(r'\s*,\s*"arguments"\s*:\s*(.*)', re.DOTALL)
+# Qwen3-Coder / Qwen3.5's XML calls: <function=NAME>\n<parameter=KEY>\nVALUE\n</parameter>...</function>
+_XML_FUNCTION = re.compile(r"\s*<function=([^>\n]+)>")
+_XML_PARAMETER_END, _XML_FUNCTION_END = "</parameter>", "\n</function>"
 
 
 def markup_strings(tokenizer, extra: tuple[str, ...] = ()) -> list[str]:
@@ -44,12 +48,15 @@ def markup_strings(tokenizer, extra: tuple[str, ...] = ()) -> list[str]:
     return sorted((s for s in found if s and s.strip()), key=lambda s: (-len(s), s))
 
 
-def unfinished_tool_call(body: str) -> Optional[tuple[str, str]]:
-    """(name, arguments text so far) of a JSON tool call whose body does not parse (cut off by the
-    token limit, or malformed), or None when not even its name can be read."""
+def unfinished_tool_call(body: str, parse: Optional[Callable[[str], Optional[list]]] = None
+                         ) -> Optional[tuple[str, str]]:
+    """(name, arguments text so far) of a tool call whose body does not parse (cut off by the token
+    limit, or malformed), or None when not even its name can be read. JSON calls keep the JSON
+    text written so far; XML calls (``<function=NAME>``) the JSON object of the parameters complete
+    so far, read by ``parse`` (the model's tool parser: body -> calls, or None)."""
     m = _NAME.match(body)
     if m is None:
-        return None
+        return _unfinished_xml_call(body, parse)
     try:
         name = json.loads(f'"{m.group(1)}"')
     except ValueError:
@@ -63,6 +70,16 @@ def unfinished_tool_call(body: str) -> Optional[tuple[str, str]]:
     except ValueError:
         pass
     return name, arguments
+
+
+def _unfinished_xml_call(body: str, parse: Optional[Callable[[str], Optional[list]]]) -> Optional[tuple[str, str]]:
+    m = _XML_FUNCTION.match(body)
+    if m is None:
+        return None
+    last = body.rfind(_XML_PARAMETER_END)
+    complete = body[:last + len(_XML_PARAMETER_END)] if last >= m.end() else body[:m.end()]
+    calls = parse(complete + _XML_FUNCTION_END) if parse is not None else None
+    return m.group(1).strip(), calls[0]["arguments"] if calls else "{}"
 
 
 def partial_arguments(arguments: str) -> dict[str, Any]:
