@@ -7,7 +7,6 @@ from __future__ import annotations
 import json
 
 import pytest
-
 import tiny
 from server_helpers import qwen_style_checkpoint
 
@@ -150,7 +149,7 @@ def _accepts(schema: dict, text: str, tokenizer) -> bool:
     """Whether the grammar of ``schema`` (as forced tool arguments get it) takes ``text`` whole."""
     import llguidance
 
-    from dflash2_mlx.constrained import Grammar, json_schema_rules
+    from dflash2_mlx.constraints.grammar import Grammar, json_schema_rules
     from dflash2_mlx.server.argument_bounds import bounded_numbers
 
     grammar = Grammar(json_schema_rules(bounded_numbers(schema)), tokenizer, [tiny.EOS_ID])

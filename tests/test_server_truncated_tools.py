@@ -14,7 +14,6 @@ import json
 import re
 
 import pytest
-
 from server_helpers import running_server
 
 openai = pytest.importorskip("openai")

@@ -16,7 +16,7 @@ import uuid
 from dataclasses import dataclass
 from typing import Any, Optional
 
-from .errors import APIError, bad_request
+from dflash2_mlx.server.errors import APIError, bad_request
 
 log = logging.getLogger("dflash2_mlx.server")
 
@@ -202,8 +202,8 @@ class OutputParser:
         the model, or as JSON between Qwen's markers when mlx-lm knows none."""
         from mlx_lm.generate import TextStateMachine
 
-        from .markup import markup_strings
-        from .structured import TOOL_CALL_END, TOOL_CALL_START, tool_call_markers
+        from dflash2_mlx.server.markup import markup_strings
+        from dflash2_mlx.server.structured import TOOL_CALL_END, TOOL_CALL_START, tool_call_markers
 
         self._sm_cls = TextStateMachine
         self.parse_tools = bool(tool_calls and tools)
@@ -293,7 +293,7 @@ class OutputParser:
         """The calls in one tool-call body. A body that does not parse (cut off by the token limit,
         or malformed) is still a call when its name can be read (``complete`` false, ``arguments``
         the JSON text written so far), else it is dropped: its markup never becomes content."""
-        from .markup import log_dropped_call, unfinished_tool_call
+        from dflash2_mlx.server.markup import log_dropped_call, unfinished_tool_call
 
         calls = parse_tool_calls(self.tool_parser, text, self.tools)
         if calls is None:

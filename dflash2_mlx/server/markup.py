@@ -32,7 +32,7 @@ def markup_strings(tokenizer, extra: tuple[str, ...] = ()) -> list[str]:
     """Every piece of template markup the model can write as text: the tokenizer's special tokens
     (``<|im_start|>`` ...), its thinking and tool-call markers, mlx-lm's structural markers and
     ``extra`` (e.g. the forced-tool-call markers). Longest first, without duplicates."""
-    from dflash2_mlx.constrained import hf_tokenizer
+    from dflash2_mlx.constraints.grammar import hf_tokenizer
 
     hf = hf_tokenizer(tokenizer)
     found = set(getattr(hf, "all_special_tokens", None) or [])
