@@ -10,6 +10,7 @@ from typing import Any, Optional
 
 from dflash2_mlx.server.chat import Delta
 from dflash2_mlx.server.errors import bad_request
+from dflash2_mlx.server.markup import partial_arguments
 from dflash2_mlx.server.params import build_params, check_max_tokens
 from dflash2_mlx.server.schemas import MessagesRequest
 from dflash2_mlx.server.stream import Accumulator, Formatter, sse
@@ -157,7 +158,8 @@ class MessagesFormatter(Formatter):
             if d.kind == "tool_call":
                 call = d.tool_call
                 out += self._open({"type": "tool_use", "id": _tool_id(call["id"]), "name": call["name"], "input": {}})
-                out.append(self._delta({"type": "input_json_delta", "partial_json": call["arguments"]}))
+                if call["arguments"]:  # a call cut off before its arguments began has none to send
+                    out.append(self._delta({"type": "input_json_delta", "partial_json": call["arguments"]}))
                 out += self._close()
             elif d.kind == "reasoning":
                 if self.open != "thinking":
@@ -214,8 +216,8 @@ class MessagesFormatter(Formatter):
         for call in acc.tool_calls:
             try:
                 args = json.loads(call["arguments"])
-            except ValueError:
-                args = {"arguments": call["arguments"]}
+            except ValueError:  # cut off by max_tokens (or malformed): what a client streaming it would hold
+                args = partial_arguments(call["arguments"])
             content.append({"type": "tool_use", "id": _tool_id(call["id"]), "name": call["name"],
                             "input": args if isinstance(args, dict) else {"value": args}})
         reason, seq = self.stop_reason()

@@ -156,26 +156,31 @@ def _apply(tokenizer, messages, add_generation_prompt: bool, extra: dict) -> lis
 class Delta:
     kind: str  # "content", "reasoning" or "tool_call"
     text: str = ""
-    tool_call: Optional[dict] = None  # {"id", "name", "arguments" (JSON text)}
+    # {"id", "name", "arguments" (JSON text), "complete" (false: cut off or malformed, see markup.py)}
+    tool_call: Optional[dict] = None
 
 
 class OutputParser:
-    """Splits streamed model text into content, reasoning and complete tool calls."""
+    """Splits streamed model text into content, reasoning and tool calls; template markup (special
+    tokens, thinking and tool-call markers) never reaches content or reasoning (see ``markup.py``)."""
 
     def __init__(self, tokenizer, state: str = "normal", tools: Optional[list] = None,
                  reasoning: bool = True, tool_calls: bool = True, forced_tool_calls: bool = False):
         """``forced_tool_calls``: the output is grammar-forced into tool calls
         (``structured.tool_call_markers``' format), parsed as such even when mlx-lm knows no tool
-        format for this model."""
+        format for this model. Tools the model calls by itself are parsed with mlx-lm's parser for
+        the model, or as JSON between Qwen's markers when mlx-lm knows none."""
         from mlx_lm.generate import TextStateMachine
 
-        from dflash2_mlx.server.structured import tool_call_markers
+        from dflash2_mlx.server.markup import markup_strings
+        from dflash2_mlx.server.structured import TOOL_CALL_END, TOOL_CALL_START, tool_call_markers
 
         self._sm_cls = TextStateMachine
-        self.parse_tools = bool(tool_calls and tools and (forced_tool_calls or getattr(tokenizer, "has_tool_calling", False)))
+        self.parse_tools = bool(tool_calls and tools)
         self.parse_reasoning = bool(reasoning and getattr(tokenizer, "has_thinking", False))
+        self.forced = bool(forced_tool_calls and self.parse_tools)
         self.tools = tools
-        if self.parse_tools and forced_tool_calls:
+        if self.parse_tools and (forced_tool_calls or not getattr(tokenizer, "has_tool_calling", False)):
             from mlx_lm.tool_parsers.json_tools import parse_tool_call
 
             self.tool_parser = parse_tool_call
@@ -193,9 +198,17 @@ class OutputParser:
             if self.parse_reasoning:
                 transitions["reasoning"].append((self.tool_start, "tool"))
             transitions["tool"] = [(self.tool_end, "normal")] if self.tool_end else []
+        # Every other piece of markup is a self-transition: matched (across chunk boundaries) and
+        # dropped without changing state, as mlx-lm drops its stop words.
+        markup = markup_strings(tokenizer, (TOOL_CALL_START, TOOL_CALL_END))
+        self.markers = markup + [text for edges in transitions.values() for text, _ in edges]
+        for name in ("normal", "reasoning", "tool") if self.parse_tools else ("normal", "reasoning"):
+            edges = transitions.setdefault(name, [])
+            taken = {text for text, _ in edges}
+            edges += [(text, name) for text in markup if text not in taken]
         if state == "reasoning" and not self.parse_reasoning:
             state = "normal"
-        self.sm = TextStateMachine(transitions or None)
+        self.sm = TextStateMachine(transitions)
         self.state = self.sm.make_state(state)
         self.current = state
         self.tool_text = ""
@@ -211,9 +224,9 @@ class OutputParser:
     def finish(self) -> list[Delta]:
         """The held-back text (a partial marker) and an unterminated tool call, at the end."""
         self.state, rest, name = self._sm_cls.flush(self.state)
-        out = self._collect([(name, rest)])
+        out = self._collect([(name, self._without_cut_markup(rest))])
         if self.current == "tool" and self.tool_text:
-            out += self._tool_delta(self.tool_text, terminated=False)
+            out += self._tool_delta(self.tool_text)
             self.tool_text = ""
         return out
 
@@ -221,7 +234,7 @@ class OutputParser:
         out: list[Delta] = []
         for state, text in segments:
             if self.current == "tool" and state != "tool":
-                out += self._tool_delta(self.tool_text, terminated=True)
+                out += self._tool_delta(self.tool_text)
                 self.tool_text = ""
             if self.current == "reasoning" and state == "normal":
                 self._strip = True
@@ -235,15 +248,32 @@ class OutputParser:
                 out.append(Delta("reasoning", text))
             elif state == "tool":
                 self.tool_text += text
-            else:
+            elif not (self.forced and not text.strip()):  # forced calls: the grammar's separators
                 out.append(Delta("content", text))
         return _merge(out)
 
-    def _tool_delta(self, text: str, terminated: bool) -> list[Delta]:
+    def _without_cut_markup(self, text: str) -> str:
+        """``text`` without its longest end that begins some marker (markup the end cut off)."""
+        for i in range(len(text)):
+            if any(m.startswith(text[i:]) for m in self.markers):
+                return text[:i]
+        return text
+
+    def _tool_delta(self, text: str) -> list[Delta]:
+        """The calls in one tool-call body. A body that does not parse (cut off by the token limit,
+        or malformed) is still a call when its name can be read (``complete`` false, ``arguments``
+        the JSON text written so far), else it is dropped: its markup never becomes content."""
+        from dflash2_mlx.server.markup import log_dropped_call, unfinished_tool_call
+
         calls = parse_tool_calls(self.tool_parser, text, self.tools)
-        if calls is None:  # unparsable (e.g. cut off by max_tokens): give the text back as content
-            raw = self.tool_start + text + (self.tool_end if terminated and self.tool_end else "")
-            return [Delta("content", raw)]
+        if calls is None:
+            unfinished = unfinished_tool_call(text, lambda body: parse_tool_calls(self.tool_parser, body, self.tools))
+            if unfinished is None:
+                if text.strip():
+                    log_dropped_call(text)
+                return []
+            name, arguments = unfinished
+            calls = [{"id": f"call_{uuid.uuid4().hex[:24]}", "name": name, "arguments": arguments, "complete": False}]
         self.tool_calls += len(calls)
         return [Delta("tool_call", tool_call=c) for c in calls]
 
@@ -275,5 +305,6 @@ def parse_tool_calls(parser, text: str, tools: Optional[list]) -> Optional[list[
             "id": item.get("id") or f"call_{uuid.uuid4().hex[:24]}",
             "name": item["name"],
             "arguments": args if isinstance(args, str) else json.dumps(args, ensure_ascii=False),
+            "complete": True,
         })
     return calls

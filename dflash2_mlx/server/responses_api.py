@@ -465,7 +465,7 @@ class ResponsesFormatter(Formatter):
         out.append(self._event("response.function_call_arguments.delta", **ids, delta=call["arguments"]))
         out.append(self._event("response.function_call_arguments.done", **ids, arguments=call["arguments"],
                                name=call["name"]))
-        item.update(arguments=call["arguments"], status="completed")
+        item.update(arguments=call["arguments"], status="completed" if call.get("complete", True) else "incomplete")
         out.append(self._event("response.output_item.done", output_index=index, item=dict(item)))
         return out
 

@@ -181,6 +181,7 @@ class MessagesRequest(_Strict):
     metadata: Optional[Dict[str, Any]] = None
     output_config: Optional[Dict[str, Any]] = None  # {"format": {"type": "json_schema", "schema": ...}}
     output_format: Optional[Dict[str, Any]] = None  # the structured-outputs beta's spelling of the same
+    logit_bias: Optional[Dict[str, float]] = None  # a dflash2-mlx extension, as on the OpenAI routes
 
 
 # ---- responses ---------------------------------------------------------------------------------

@@ -209,9 +209,10 @@ def tool_call_rules(constraint: OutputConstraint, tokenizer) -> str:
     """Lark rules (``answer``) for ``<tool_call>\\n{"name": ..., "arguments": {...}}\\n</tool_call>`` (one, or one
     or more separated by newlines), the arguments following the chosen tool's parameters schema."""
     from dflash2_mlx.constraints.grammar import JSON_OPTIONS
+    from dflash2_mlx.server.argument_bounds import bounded_numbers
 
     start, end = tool_call_markers(tokenizer)
-    calls = [{"type": "object", "properties": {"name": {"const": t.name}, "arguments": t.parameters},
+    calls = [{"type": "object", "properties": {"name": {"const": t.name}, "arguments": bounded_numbers(t.parameters)},
               "required": ["name", "arguments"], "additionalProperties": False} for t in constraint.tools]
     schema = calls[0] if len(calls) == 1 else {"anyOf": calls}
     schema = {**schema, "x-guidance": JSON_OPTIONS}
