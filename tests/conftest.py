@@ -1,10 +1,13 @@
 import os
 import sys
+import tempfile
 from pathlib import Path
 
 # No test writes to the user's prompt cache (~/.cache/dflash2-mlx): commands and servers started by
 # tests inherit this; tests of the prompt cache pass --prompt-cache-dir with a temporary directory.
 os.environ["DFLASH2_PROMPT_CACHE_DIR"] = "none"
+# GGUF targets (--model smollm2, *.gguf) are converted into a temporary cache, not ~/.cache/dflash2-mlx.
+os.environ["DFLASH2_MLX_GGUF_CACHE"] = tempfile.mkdtemp(prefix="dflash2-gguf-cache-")
 
 import dflash2_mlx  # noqa: F401  (first: loads OpenBLAS before mlx.core, as users get it)
 import mlx.core as mx

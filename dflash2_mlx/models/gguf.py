@@ -166,7 +166,9 @@ def open_reader(path: Path):
     size = path.stat().st_size
     for t in reader.tensors:
         if t.data_offset + t.n_bytes > size:
-            raise GGUFError(f"GGUF file {path} is truncated (tensor {t.name} ends past the end of the file); re-download it")
+            raise GGUFError(
+                f"GGUF file {path} is truncated (tensor {t.name} ends past the end of the file); re-download it"
+            )
     return reader
 
 
@@ -193,7 +195,7 @@ def hf_config(reader, path: Path) -> dict:
     tokens = field(reader, "tokenizer.ggml.tokens") or []
     config = {
         "model_type": arch,
-        "architectures": [{"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}[arch]],
+        "architectures": [f"{arch.capitalize()}ForCausalLM"],  # LlamaForCausalLM, Qwen2ForCausalLM, ...
         "hidden_size": hidden,
         "num_hidden_layers": meta("block_count"),
         "intermediate_size": meta("feed_forward_length"),
@@ -283,7 +285,10 @@ def _dequantized(reader, path: Path) -> dict:
         try:
             value = dequantize(t.data, t.tensor_type)
         except NotImplementedError:
-            raise GGUFError(f"GGUF file {path}: tensor {t.name} has type {t.tensor_type.name}, which neither MLX nor the gguf library can read; use a file quantized to another type (e.g. Q4_K_M, Q8_0 or F16)") from None
+            raise GGUFError(
+                f"GGUF file {path}: tensor {t.name} has type {t.tensor_type.name}, which neither MLX nor the gguf "
+                "library can read; use a file quantized to another type (e.g. Q4_K_M, Q8_0 or F16)"
+            ) from None
         out[t.name] = mx.array(np.ascontiguousarray(value, dtype=np.float32))
     return out
 
@@ -297,7 +302,8 @@ def placement_line() -> str:
     """One line for ``doctor``: where a GGUF target's weights run, and why."""
     if runs_quantized():
         return "GGUF weights stay quantized on the Metal GPU (its quantized matmuls read 4-8x fewer bytes)"
-    return f"GGUF weights are dequantized to float32 on the CPU (MLX's CPU quantized matmul has no fast path: {CPU_COSTS})"
+    return ("GGUF weights are dequantized to float32 on the CPU (MLX's CPU quantized matmul has no fast path: "
+            f"{CPU_COSTS})")
 
 
 def place_weights(model: nn.Module) -> nn.Module:

@@ -46,7 +46,8 @@ def build_tokenizer(reader):
         raise TokenizerError(f"GGUF tokenizer type {kind!r} is not supported (only gpt2-style byte-level BPE)")
     pre = field(reader, "tokenizer.ggml.pre", "gpt2")
     if pre not in PRE_TOKENIZER_REGEXES:
-        raise TokenizerError(f"GGUF pre-tokenizer {pre!r} is not supported; supported: {', '.join(PRE_TOKENIZER_REGEXES)}")
+        supported = ", ".join(PRE_TOKENIZER_REGEXES)
+        raise TokenizerError(f"GGUF pre-tokenizer {pre!r} is not supported; supported: {supported}")
     tokens = field(reader, "tokenizer.ggml.tokens")
     merges = [tuple(m.split(" ", 1)) for m in field(reader, "tokenizer.ggml.merges", [])]
     types = field(reader, "tokenizer.ggml.token_type") or [1] * len(tokens)
