@@ -11,6 +11,8 @@ from __future__ import annotations
 import dataclasses
 import json
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import gguf
@@ -371,3 +373,25 @@ def test_smollm2_answers_the_capital_of_france_greedily(smollm2):
     settings = GenerationSettings(max_tokens=24, stop_token_ids=[2])
     text = "".join(e.text for e in generate_autoregressive(smollm2.runner, prompt, settings, tok))
     assert "Paris" in text
+
+
+# -- the commands ----------------------------------------------------------------------------------
+
+
+def _command(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "dflash2_mlx", *args], capture_output=True, text=True, timeout=300)
+
+
+def test_generate_runs_a_gguf_file_given_as_model(tmp_path, gguf_cache):
+    write_tiny_gguf(tmp_path / "m.gguf")
+    r = _command("generate", "--model", str(tmp_path / "m.gguf"), "--no-draft", "--json", "-p", "the 12",
+                 "--ignore-chat-template", "--max-tokens", "5")
+    assert r.returncode == 0, r.stderr
+    assert len(json.loads(r.stdout)["tokens"]) == 5
+
+
+def test_doctor_says_where_a_gguf_targets_weights_run_and_why(tmp_path, gguf_cache):
+    write_tiny_gguf(tmp_path / "m.gguf")
+    r = _command("doctor", "--no-self-test", "--model", str(tmp_path / "m.gguf"))
+    assert r.returncode == 0, r.stderr
+    assert "m.gguf: GGUF weights are dequantized to float32 on the CPU (MLX's CPU quantized matmul has no fast" in r.stdout
