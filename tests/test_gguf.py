@@ -395,3 +395,14 @@ def test_doctor_says_where_a_gguf_targets_weights_run_and_why(tmp_path, gguf_cac
     r = _command("doctor", "--no-self-test", "--model", str(tmp_path / "m.gguf"))
     assert r.returncode == 0, r.stderr
     assert "m.gguf: GGUF weights are dequantized to float32 on the CPU (MLX's CPU quantized matmul has no fast" in r.stdout
+
+
+def test_the_memory_preflight_sizes_a_gguf_target_from_its_metadata(tmp_path, gguf_cache):
+    from dflash2_mlx import memory
+
+    write_tiny_gguf(tmp_path / "m.gguf")
+    plan = memory.preflight(str(tmp_path / "m.gguf"), None)
+    params = VOCAB * HIDDEN + LAYERS * (2 * HIDDEN + 2 * HEADS * HEAD_DIM * HIDDEN + 2 * KV_HEADS * HEAD_DIM * HIDDEN
+                                        + 3 * FFN * HIDDEN) + HIDDEN
+    assert plan.target_weights == 4 * params  # float32 on the CPU
+    assert not list(gguf_cache.glob("*-v*"))  # sized without converting anything
