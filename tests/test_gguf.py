@@ -33,7 +33,7 @@ Q = gguf.GGMLQuantizationType
 HIDDEN, FFN, LAYERS, HEADS, KV_HEADS = 256, 512, 3, 4, 2  # K-quant blocks need rows of 256
 HEAD_DIM = HIDDEN // HEADS
 SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
-MERGES = [("Ġ", "t"), ("h", "e"), ("Ġt", "he"), ("1", "2"), ("Ġ", "Ġ")]
+MERGES = [("Ġ", "t"), ("h", "e"), ("Ġt", "he"), ("1", "2"), ("Ġ", "Ġ"), ("-", "t")]
 CHATML = (
     "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
     "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
@@ -232,21 +232,31 @@ def test_a_second_load_reuses_the_converted_copy_without_reading_the_file(tmp_pa
 # -- tokenizer -----------------------------------------------------------------------------------
 
 
-@pytest.fixture
-def tiny_tokenizer(tmp_path, gguf_cache):
-    write_tiny_gguf(tmp_path / "m.gguf")
+@pytest.fixture(params=["smollm", "qwen2"])
+def tiny_tokenizer(request, tmp_path, gguf_cache):
+    write_tiny_gguf(tmp_path / "m.gguf", pre=request.param)
     return load_target(str(tmp_path / "m.gguf")).tokenizer
 
 
-@pytest.mark.parametrize("text", ["the 12 then 1234", "a  b   c    d\n\n\te ", "héllo wörld 日本語 🙂", "x\r\ny  \n"])
+@pytest.mark.parametrize("text", ["the 12 then 1234", "a  b   c    d\n\n\te ", "héllo wörld 日本語 🙂", "x\r\ny  \n",
+                                  "it's 'QUOTED' don'T"])
 def test_tokenizer_round_trips_digits_whitespace_runs_and_unicode(tiny_tokenizer, text):
     assert tiny_tokenizer.decode(tiny_tokenizer.encode(text)) == text
 
 
-def test_tokenizer_splits_digits_one_by_one_as_llama_cpp_smollm_pre_tokenizer_does(tiny_tokenizer):
+def test_tokenizer_splits_digits_one_by_one_as_llama_cpp_smollm_and_qwen2_pre_tokenizers_do(tiny_tokenizer):
     twelve = vocabulary().index("12")
     assert twelve not in tiny_tokenizer.encode("12 then 12")  # the "1 2" merge never applies
     assert vocabulary().index("Ġthe") in tiny_tokenizer.encode("12 the")
+
+
+@pytest.mark.parametrize("pre,joined", [("qwen2", True), ("smollm", False), ("gpt2", False)])
+def test_punctuation_joins_the_next_word_only_with_the_qwen2_pre_tokenizer(tmp_path, gguf_cache, pre, joined):
+    """llama.cpp's qwen2 regex has ``[^\\r\\n\\p{L}\\p{N}]?\\p{L}+``: "-the" is one piece, so the "- t"
+    merge applies; the gpt2-style regexes split "-" from "the" first."""
+    write_tiny_gguf(tmp_path / "m.gguf", pre=pre)
+    ids = load_target(str(tmp_path / "m.gguf")).tokenizer.encode("x-the")
+    assert (vocabulary().index("-t") in ids) == joined
 
 
 def test_gpt2_pre_tokenizer_keeps_digits_together(tmp_path, gguf_cache):
@@ -394,7 +404,7 @@ def test_doctor_says_where_a_gguf_targets_weights_run_and_why(tmp_path, gguf_cac
     write_tiny_gguf(tmp_path / "m.gguf")
     r = _command("doctor", "--no-self-test", "--model", str(tmp_path / "m.gguf"))
     assert r.returncode == 0, r.stderr
-    assert "m.gguf: GGUF weights are dequantized to float32 on the CPU (MLX's CPU quantized matmul has no fast" in r.stdout
+    assert "m.gguf: GGUF weights are dequantized to float32 on the CPU (MLX's CPU quantized matmul" in r.stdout
 
 
 def test_the_memory_preflight_sizes_a_gguf_target_from_its_metadata(tmp_path, gguf_cache):
