@@ -271,6 +271,8 @@ def read_weights(reader, path: Path, config: dict) -> tuple[dict, dict]:
             bits = packed.shape[-1] * 32 // (value.shape[-1] * group)
             quantization[module] = {"group_size": group, "bits": bits}
     if quantization:
+        # mlx-lm wants a model-wide default too; every quantized module also has its own entry
+        # (a GGUF file mixes types: SmolLM2's embedding is Q8_0, its layers Q4_1)
         first = next(iter(quantization.values()))
         quantization = {"group_size": first["group_size"], "bits": first["bits"], **quantization}
     return weights, quantization
