@@ -1,4 +1,6 @@
+import atexit
 import os
+import shutil
 import sys
 import tempfile
 from pathlib import Path
@@ -7,7 +9,9 @@ from pathlib import Path
 # tests inherit this; tests of the prompt cache pass --prompt-cache-dir with a temporary directory.
 os.environ["DFLASH2_PROMPT_CACHE_DIR"] = "none"
 # GGUF targets (--model smollm2, *.gguf) are converted into a temporary cache, not ~/.cache/dflash2-mlx.
+# Removed at exit: a converted SmolLM2 takes ~100 MB.
 os.environ["DFLASH2_MLX_GGUF_CACHE"] = tempfile.mkdtemp(prefix="dflash2-gguf-cache-")
+atexit.register(shutil.rmtree, os.environ["DFLASH2_MLX_GGUF_CACHE"], ignore_errors=True)
 
 import dflash2_mlx  # noqa: F401  (first: loads OpenBLAS before mlx.core, as users get it)
 import mlx.core as mx
