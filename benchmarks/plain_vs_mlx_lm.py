@@ -45,7 +45,7 @@ def main(argv=None) -> int:
     from mlx_lm.generate import stream_generate
 
     from dflash2_mlx.engine import GenerationSettings, generate_autoregressive
-    from dflash2_mlx.loading import load_target
+    from dflash2_mlx.models.loading import load_target
 
     target = load_target(args.model)
     tok = target.tokenizer

@@ -34,7 +34,7 @@ def main(argv=None) -> int:
 
     import mlx.core as mx
 
-    from dflash2_mlx.loading import load_target
+    from dflash2_mlx.models.loading import load_target
 
     target = load_target(args.model)
     runner = target.runner

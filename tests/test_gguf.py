@@ -19,15 +19,15 @@ import gguf
 import mlx.core as mx
 import numpy as np
 import pytest
+import tiny
 from gguf.quants import dequantize, quantize
 from mlx.utils import tree_flatten
 from tokenizers.pre_tokenizers import ByteLevel
 
-import tiny
 from dflash2_mlx.engine import GenerationSettings, generate_autoregressive, generate_speculative
-from dflash2_mlx.loading import LoadError, load_target, resolve
 from dflash2_mlx.models import gguf as gguf_models
 from dflash2_mlx.models import named
+from dflash2_mlx.models.loading import LoadError, load_target, resolve
 
 Q = gguf.GGMLQuantizationType
 HIDDEN, FFN, LAYERS, HEADS, KV_HEADS = 256, 512, 3, 4, 2  # K-quant blocks need rows of 256
@@ -408,7 +408,7 @@ def test_doctor_says_where_a_gguf_targets_weights_run_and_why(tmp_path, gguf_cac
 
 
 def test_the_memory_preflight_sizes_a_gguf_target_from_its_metadata(tmp_path, gguf_cache):
-    from dflash2_mlx import memory
+    from dflash2_mlx.models import memory
 
     write_tiny_gguf(tmp_path / "m.gguf")
     plan = memory.preflight(str(tmp_path / "m.gguf"), None)

@@ -29,7 +29,7 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 
-from . import gguf_tokenizer
+from dflash2_mlx.models import gguf_tokenizer
 
 ARCHITECTURES = ("llama", "qwen2", "qwen3")
 
@@ -70,7 +70,7 @@ class GGUFError(ValueError):
 def find_gguf(spec: str) -> Optional[Path]:
     """The GGUF file a ``--model`` value names: a named local model (``smollm2``), a ``.gguf``
     file, or a directory holding exactly one ``.gguf`` and no ``config.json``; else None."""
-    from . import named
+    from dflash2_mlx.models import named
 
     named_file = named.model_file(spec)
     if named_file is not None:

@@ -39,7 +39,7 @@ def build_tokenizer(reader):
     """A ``tokenizers.Tokenizer`` equivalent to llama.cpp's for the file's vocabulary."""
     from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers, processors
 
-    from .gguf import field
+    from dflash2_mlx.models.gguf import field
 
     kind = field(reader, "tokenizer.ggml.model")
     if kind != "gpt2":
@@ -73,7 +73,7 @@ def build_tokenizer(reader):
 
 def tokenizer_files(reader, config: dict) -> dict[str, str]:
     """{file name: text} of tokenizer.json and tokenizer_config.json for the converted directory."""
-    from .gguf import field
+    from dflash2_mlx.models.gguf import field
 
     tokenizer = build_tokenizer(reader)
     tokens = field(reader, "tokenizer.ggml.tokens")
