@@ -1,10 +1,17 @@
+import atexit
 import os
+import shutil
 import sys
+import tempfile
 from pathlib import Path
 
 # No test writes to the user's prompt cache (~/.cache/dflash2-mlx): commands and servers started by
 # tests inherit this; tests of the prompt cache pass --prompt-cache-dir with a temporary directory.
 os.environ["DFLASH2_PROMPT_CACHE_DIR"] = "none"
+# GGUF targets (--model smollm2, *.gguf) are converted into a temporary cache, not ~/.cache/dflash2-mlx.
+# Removed at exit: a converted SmolLM2 takes ~100 MB.
+os.environ["DFLASH2_MLX_GGUF_CACHE"] = tempfile.mkdtemp(prefix="dflash2-gguf-cache-")
+atexit.register(shutil.rmtree, os.environ["DFLASH2_MLX_GGUF_CACHE"], ignore_errors=True)
 
 import mlx.core as mx
 import pytest

