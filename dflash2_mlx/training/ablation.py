@@ -129,10 +129,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     from dflash2_mlx.assets import demo_target_path
     from dflash2_mlx.models.loading import load_target
     from dflash2_mlx.training import build_demo_pair as bd
-    from dflash2_mlx.training.drafter_trainer import (
-        DrafterTrainingConfig,
-        train_drafter,
-    )
+    from dflash2_mlx.training.drafter_trainer import train_drafter
+    from dflash2_mlx.training.drafter_training_config import DrafterTrainingConfig
 
     plan = bd.FULL
     log = bd.Log()

@@ -289,10 +289,8 @@ def drafter_data(plan: BuildPlan, target, docs) -> np.ndarray:
 
 def build_drafter(plan: BuildPlan, target, docs, work: Path, log: Log) -> dict:
     try:
-        from dflash2_mlx.training.drafter_trainer import (
-            DrafterTrainingConfig,
-            train_drafter,
-        )
+        from dflash2_mlx.training.drafter_trainer import train_drafter
+        from dflash2_mlx.training.drafter_training_config import DrafterTrainingConfig
     except ImportError as e:
         raise SystemExit(
             f"the drafter trainer is not available ({e}); the target is built, the drafter is not"
