@@ -102,7 +102,8 @@ class ChatSession:
         self.warned = False
         tok = self.tokenizer
         has = getattr(tok, "has_thinking", False)
-        self.tags = (tok.think_start, tok.think_end) if has and tok.think_start and tok.think_end else ("<think>", "</think>")
+        own_tags = has and tok.think_start and tok.think_end
+        self.tags = (tok.think_start, tok.think_end) if own_tags else ("<think>", "</think>")
         self.read_line, self.clear_input = read_line_function()
 
     # -- conversation -------------------------------------------------------------------------
@@ -193,7 +194,8 @@ class ChatSession:
             self.warned = True
             self.console.print(
                 f"warning: acceptance length {turn.acceptance_length:.2f} is far below what a matched drafter reaches; "
-                "is this drafter made for this target (and its quantization)?", style="yellow", markup=False, highlight=False)
+                "is this drafter made for this target (and its quantization)?",
+                style="yellow", markup=False, highlight=False)
         return turn
 
     # -- commands -----------------------------------------------------------------------------
@@ -270,7 +272,8 @@ class ChatSession:
         try:
             path.write_text(json.dumps(data, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
         except OSError as e:
-            self.console.print(f"error: cannot write {path}: {e.strerror or e}", style="red", markup=False, highlight=False)
+            self.console.print(f"error: cannot write {path}: {e.strerror or e}",
+                               style="red", markup=False, highlight=False)
             return
         self.console.print(f"saved {len(self.messages)} messages to {path}", style="dim", markup=False, highlight=False)
 
@@ -286,7 +289,8 @@ class ChatSession:
             return
         self.system, self.messages = system, messages
         self.last_reasoning = ""
-        self.console.print(f"loaded {len(messages)} messages from {path}" + (" (with a system prompt)" if system else ""),
+        with_system = " (with a system prompt)" if system else ""
+        self.console.print(f"loaded {len(messages)} messages from {path}{with_system}",
                            style="dim", markup=False, highlight=False)
         for m in messages[-2:]:
             text = " ".join(m["content"].split())
@@ -304,8 +308,9 @@ class ChatSession:
             for col in ("#", "prompt", "prefilled", "cached", "gen", "tok/s", "accept", "TTFT", "end"):
                 table.add_column(col, justify="left" if col == "end" else "right")
             for i, t in enumerate(self.turns, 1):
+                accept = "–" if t.acceptance_length is None else f"{t.acceptance_length:.2f}"
                 table.add_row(str(i), str(t.prompt_tokens), str(t.prefilled), str(t.cached_tokens), str(t.generated),
-                              f"{t.decode_tps:.1f}", "–" if t.acceptance_length is None else f"{t.acceptance_length:.2f}",
+                              f"{t.decode_tps:.1f}", accept,
                               fmt_seconds(t.ttft) if t.ttft is not None else "–", t.finish_reason)
             c.print(table)
             cycles = sum(t.verify_steps for t in self.turns)
@@ -313,7 +318,8 @@ class ChatSession:
             n = len(self.turns)
             line = f"session: {n} answer{'s' if n != 1 else ''}, {total} tokens generated"
             if self.drafter is not None and cycles:
-                line += f", acceptance length {sum(t.cycle_tokens for t in self.turns) / cycles:.2f} over {cycles} cycles"
+                acceptance = sum(t.cycle_tokens for t in self.turns) / cycles
+                line += f", acceptance length {acceptance:.2f} over {cycles} cycles"
             prefilled = sum(t.prefilled for t in self.turns)
             cached = sum(t.cached_tokens for t in self.turns)
             line += f"; prompt tokens {prefilled} prefilled, {cached} restored from the prefix cache"
@@ -383,7 +389,8 @@ def _parse_conversation(data) -> tuple[Optional[str], list[dict]]:
         raise ValueError('expected {"messages": [...]} or a list of messages')
     out = []
     for m in messages:
-        if not isinstance(m, dict) or m.get("role") not in ("system", "user", "assistant") or not isinstance(m.get("content"), str):
+        if (not isinstance(m, dict) or m.get("role") not in ("system", "user", "assistant")
+                or not isinstance(m.get("content"), str)):
             raise ValueError('each message needs a "role" (system, user or assistant) and a "content" string')
         if m["role"] == "system":
             system = m["content"]

@@ -49,7 +49,9 @@ def anchor_range(seq_len: int, block_size: int, continuation_start: int) -> tupl
     return lo, hi
 
 
-def sample_anchors(rng: np.random.Generator, seq_len: int, block_size: int, count: int, continuation_start: int) -> np.ndarray:
+def sample_anchors(
+    rng: np.random.Generator, seq_len: int, block_size: int, count: int, continuation_start: int
+) -> np.ndarray:
     """``count`` sorted anchor positions for one sequence (distinct when there are enough)."""
     lo, hi = anchor_range(seq_len, block_size, continuation_start)
     choices = hi - lo + 1

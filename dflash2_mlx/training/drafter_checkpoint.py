@@ -66,7 +66,8 @@ def save_checkpoint(out_dir: Path, drafter: Drafter, optimizer: optim.Optimizer,
     tmp_opt = sd / "optimizer.partial.safetensors"
     # sorted names: the same state gives the same bytes, however the trees were built
     mx.save_safetensors(str(tmp_model), dict(sorted(tree_flatten(drafter.parameters()))))
-    mx.save_safetensors(str(tmp_opt), dict(sorted((k, v) for k, v in tree_flatten(optimizer.state) if k not in ("step", "learning_rate"))))
+    moments = ((k, v) for k, v in tree_flatten(optimizer.state) if k not in ("step", "learning_rate"))
+    mx.save_safetensors(str(tmp_opt), dict(sorted(moments)))
     tmp_cfg = sd / "config.partial.json"
     tmp_cfg.write_text(json.dumps(drafter.config.to_dict(), indent=2))
     state = dict(state, model_sha256=_sha256(tmp_model), optimizer_sha256=_sha256(tmp_opt))
@@ -86,13 +87,16 @@ def load_checkpoint_state(out_dir: Path) -> Optional[dict]:
     try:
         return json.loads(path.read_text())
     except (OSError, json.JSONDecodeError) as e:
-        raise ValueError(f"cannot read {path} ({e}); the training state is damaged: delete {path.parent} to start afresh") from None
+        raise ValueError(
+            f"cannot read {path} ({e}); the training state is damaged: delete {path.parent} to start afresh"
+        ) from None
 
 
 def resume_checkpoint(out_dir: Path, state: dict, drafter: Drafter, optimizer: optim.Optimizer) -> None:
     sd = out_dir / STATE_DIR
     model_path, opt_path = out_dir / "model.safetensors", sd / "optimizer.safetensors"
-    if not model_path.exists() or not opt_path.exists() or _sha256(model_path) != state.get("model_sha256") or _sha256(opt_path) != state.get("optimizer_sha256"):
+    if (not model_path.exists() or not opt_path.exists() or _sha256(model_path) != state.get("model_sha256")
+            or _sha256(opt_path) != state.get("optimizer_sha256")):
         raise ValueError(
             f"the checkpoint in {out_dir} is incomplete (interrupted while saving); "
             f"delete {out_dir} (or use another output directory) to start afresh"

@@ -32,7 +32,9 @@ __all__ = [
 ]
 
 
-def greedy_walk_correct(drafter: Drafter, lm_head, hidden: mx.array, labels: mx.array, predecessors: mx.array) -> mx.array:
+def greedy_walk_correct(
+    drafter: Drafter, lm_head, hidden: mx.array, labels: mx.array, predecessors: mx.array
+) -> mx.array:
     """[M, R] bool: which rows the greedy walk gets right given the true predecessors.
 
     DFlash 2: the selector's pick among the row's top-k; DFlash 1: the row's argmax. Up to the

@@ -90,8 +90,10 @@ def make_drafter_config(target, config: DrafterTrainingConfig) -> DrafterConfig:
     hidden = runner.hidden_size
     vocab = runner.vocab_size or int(text["vocab_size"])
     heads = int(config.num_attention_heads or text.get("num_attention_heads") or max(1, hidden // 64))
-    kv_heads = int(config.num_key_value_heads or (text.get("num_key_value_heads") if not config.num_attention_heads else None) or heads)
-    head_dim = int(config.head_dim or (text.get("head_dim") if not config.num_attention_heads else None) or hidden // heads)
+    # the target's key/value heads and head width only go with the target's head count
+    inherit = not config.num_attention_heads
+    kv_heads = int(config.num_key_value_heads or (text.get("num_key_value_heads") if inherit else None) or heads)
+    head_dim = int(config.head_dim or (text.get("head_dim") if inherit else None) or hidden // heads)
     rope = text.get("rope_parameters") or {}
     rope_theta = float(text.get("rope_theta") or rope.get("rope_theta") or 10000.0)
     taps = config.target_layer_ids
@@ -192,7 +194,9 @@ def drafter_from_init(target, init: Path, config: DrafterTrainingConfig) -> Draf
     sc = source.config
     validate_pair(target.runner, sc)
     if sc.num_hidden_layers != config.layers:
-        warnings.warn(f"--init drafter has {sc.num_hidden_layers} layers; training it with that many, not {config.layers}")
+        warnings.warn(
+            f"--init drafter has {sc.num_hidden_layers} layers; training it with that many, not {config.layers}"
+        )
     if sc.is_dflash2 and config.architecture == DFLASH1:
         raise ValueError("cannot train a DFlash 1 drafter from a DFlash 2 --init (drop --no-convs or --no-selector)")
     raw = sc.to_dict()

@@ -52,7 +52,9 @@ def block_target_logits(lm_head, final: mx.array, anchors: mx.array, block_size:
     return lm_head(rows.reshape(-1, block_size - 1, rows.shape[-1]))
 
 
-def selector_scores(selector, hidden: mx.array, candidates: mx.array, unary: mx.array, predecessors: mx.array) -> mx.array:
+def selector_scores(
+    selector, hidden: mx.array, candidates: mx.array, unary: mx.array, predecessors: mx.array
+) -> mx.array:
     """Teacher-forced pair scores [M, R, k]: row i's candidates after the true token of row i-1."""
     left = selector.predecessor_codebook[predecessors] * selector.hidden_projection(hidden)  # [M, R, r]
     right = selector.successor_codebook[candidates]  # [M, R, k, r]

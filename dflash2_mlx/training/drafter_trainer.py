@@ -177,12 +177,15 @@ def train_drafter(
     freeze_ablations(drafter, config)
     drafter.train()
 
-    optimizer = optim.AdamW(learning_rate=config.learning_rate, betas=[0.9, 0.95], weight_decay=config.weight_decay, bias_correction=True)
+    optimizer = optim.AdamW(
+        learning_rate=config.learning_rate, betas=[0.9, 0.95], weight_decay=config.weight_decay, bias_correction=True
+    )
     optimizer.init(drafter.trainable_parameters())
     step, elapsed, history = 0, 0.0, []
     if previous is not None:
         resume_checkpoint(out_dir, previous, drafter, optimizer)
-        step, elapsed, history = int(previous["step"]), float(previous.get("elapsed", 0.0)), list(previous.get("history", []))
+        step, elapsed = int(previous["step"]), float(previous.get("elapsed", 0.0))
+        history = list(previous.get("history", []))
 
     total_steps = config.total_steps
     budget = None if config.minutes is None else 60.0 * config.minutes
@@ -192,13 +195,17 @@ def train_drafter(
 
     weights = mx.array(loss_weights(drafter_config.block_size, config.resolved_gamma()))
     soft = config.soft_target_weight > 0
-    features = TargetFeatures(runner, sequences, drafter_config.target_layer_ids, config.feature_cache_bytes, final=soft)
+    features = TargetFeatures(
+        runner, sequences, drafter_config.target_layer_ids, config.feature_cache_bytes, final=soft
+    )
     lm_head = runner.lm_head
 
     def loss_fn(feats, final, blocks, anchors, labels, preds):
         hidden = forward_blocks(drafter, runner.embed, feats, blocks, anchors)
         M = hidden.shape[0]
-        target_logits = None if final is None else block_target_logits(lm_head, final, anchors, drafter_config.block_size)
+        target_logits = None
+        if final is not None:
+            target_logits = block_target_logits(lm_head, final, anchors, drafter_config.block_size)
         return drafter_loss(drafter, lm_head, hidden, labels.reshape(M, -1), preds.reshape(M, -1), weights, config,
                             target_logits)
 
@@ -213,7 +220,8 @@ def train_drafter(
         grads, norm = optim.clip_grad_norm(grads, config.grad_clip)
         metrics["grad_norm"] = norm
         if selector_grads is not None and tree_flatten(selector_grads):
-            grads["candidate_selector"], metrics["selector_grad_norm"] = optim.clip_grad_norm(selector_grads, config.grad_clip)
+            clipped, metrics["selector_grad_norm"] = optim.clip_grad_norm(selector_grads, config.grad_clip)
+            grads["candidate_selector"] = clipped
         optimizer.update(drafter, grads)
         return metrics
 
@@ -252,7 +260,8 @@ def train_drafter(
             save_checkpoint(out_dir, drafter, optimizer, record(step, True))
         return out_dir
 
-    bar = ProgressBar(total_steps if total_steps is not None else budget, "" if total_steps is not None else "s", progress)
+    by_steps = total_steps is not None
+    bar = ProgressBar(total_steps if by_steps else budget, "" if by_steps else "s", progress)
     window: dict[str, float] = {}
     window_steps, window_time = 0, 0.0
     seq_tokens = config.batch_size * seq_len
@@ -265,7 +274,9 @@ def train_drafter(
                 sample_anchors(rng, seq_len, drafter_config.block_size, config.blocks_per_sequence, continuation_start)
                 for _ in idx
             ])
-            blocks, labels, preds = block_arrays(sequences[idx], anchors, drafter_config.block_size, drafter_config.mask_token_id)
+            blocks, labels, preds = block_arrays(
+                sequences[idx], anchors, drafter_config.block_size, drafter_config.mask_token_id
+            )
             if total_steps is not None:
                 fraction = step / total_steps
             else:
@@ -292,7 +303,8 @@ def train_drafter(
                 m["steps_s"] = window_steps / window_time
                 m["lr"] = float(optimizer.learning_rate.item())
                 history.append({"step": step, **{k: round(v, 5) for k, v in m.items()}})
-                bar.update(step if total_steps is not None else min(elapsed, budget), f"step {step}  " + format_progress(m) if total_steps is None else format_progress(m))
+                done = step if by_steps else min(elapsed, budget)
+                bar.update(done, format_progress(m) if by_steps else f"step {step}  " + format_progress(m))
                 window, window_steps, window_time = {}, 0, 0.0
             if config.checkpoint_every and step % config.checkpoint_every == 0 and not finished():
                 save_checkpoint(out_dir, drafter, optimizer, record(step, False))

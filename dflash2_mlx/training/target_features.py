@@ -19,7 +19,9 @@ __all__ = [
 class TargetFeatures:
     """The target's tapped hidden states per sequence: precomputed when they fit, else per step."""
 
-    def __init__(self, runner, sequences: np.ndarray, taps: list[int], budget: int, batch: int = 16, final: bool = False):
+    def __init__(
+        self, runner, sequences: np.ndarray, taps: list[int], budget: int, batch: int = 16, final: bool = False
+    ):
         self.runner, self.sequences, self.taps, self.final = runner, sequences, list(taps), final
         self.last = len(runner.layers) - 1
         n, s = sequences.shape
@@ -36,7 +38,9 @@ class TargetFeatures:
     def _compute(self, tokens: np.ndarray) -> tuple[mx.array, Optional[mx.array]]:
         """(tapped features [n, S, T*H], the final-normed last hidden state [n, S, H] or None)."""
         taps = self.taps + ([self.last] if self.final else [])
-        _, feats = self.runner(mx.array(tokens, dtype=mx.int32), self.runner.make_cache(), taps=taps, logits_from=tokens.shape[1] - 1)
+        _, feats = self.runner(
+            mx.array(tokens, dtype=mx.int32), self.runner.make_cache(), taps=taps, logits_from=tokens.shape[1] - 1
+        )
         feats = mx.stop_gradient(feats.astype(mx.float32))
         if not self.final:
             return feats, None
