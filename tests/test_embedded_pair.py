@@ -16,11 +16,8 @@ from dflash2_mlx.engine import (
     generate_speculative,
 )
 from dflash2_mlx.models.loading import load_drafter, load_target
-from dflash2_mlx.training.build_demo_pair import (
-    CHECKED_FILES,
-    repetition_rate,
-    sha256_file,
-)
+from dflash2_mlx.training.demo_metrics import repetition_rate
+from dflash2_mlx.training.demo_plan import CHECKED_FILES, sha256_file
 
 MAX_TOKENS = 48
 

@@ -8,7 +8,10 @@
   initialisation), ``drafter_batches`` (one step's seeded data), ``target_features`` (the frozen
   target's taps), ``drafter_loss``, ``drafter_eval`` (held-out acceptance), ``drafter_checkpoint``
   (save and resume) and ``drafter_schedule`` (learning rate, progress line).
-- ``build_demo_pair``: the one command that rebuilds ``dflash2_mlx/assets/`` from scratch.
+- ``build_demo_pair``: the one command that rebuilds ``dflash2_mlx/assets/`` from scratch, from
+  ``demo_plan`` (the recipes), ``demo_stages`` (corpus, tokenizer, documents, target, drafter),
+  ``demo_evaluation`` with ``demo_metrics`` (acceptance, repetition, the prompt-lookup baseline)
+  and ``demo_cards`` (READMEs, model card, summary from MANIFEST.json).
 
 None of this is needed at run time; importing ``dflash2_mlx`` does not import it.
 """
