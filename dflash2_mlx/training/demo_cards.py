@@ -104,8 +104,8 @@ def summary(m: dict) -> str:
     e, t = m["evaluation"], m["target"]
     parts = [
         f"target {t['parameters'] / 1e6:.2f}M params, held-out ppl {t['heldout_perplexity']:.2f}",
-        f"repetition {_pct(e.get('repetition_rate_4gram'))} "
-        f"(reference text {_pct(e.get('reference_repetition_rate_4gram'))})",
+        (f"repetition {_pct(e.get('repetition_rate_4gram'))} "
+         f"(reference text {_pct(e.get('reference_repetition_rate_4gram'))})"),
         f"prompt-lookup acceptance {_num(e.get('prompt_lookup_acceptance_length'))}",
     ]
     if "acceptance_length_t0" in e:
@@ -166,8 +166,8 @@ def model_card(m: dict) -> str:
         ]
     rows += [
         ("prompt-lookup n-gram drafter, t = 0", _num(e.get("prompt_lookup_acceptance_length"))),
-        ("evaluation", f"{e['prompts']} held-out prompts, {e['max_tokens']} new tokens each, "
-                       f"block size {e['block_size']}"),
+        ("evaluation", (f"{e['prompts']} held-out prompts, {e['max_tokens']} new tokens each, "
+                        f"block size {e['block_size']}")),
         ("build time", f"{m['timings']['total_seconds'] / 60:.1f} min on {m['environment']['cpu_count']} cores "
                        f"({m['environment']['machine']})"),
         ("assets", f"{m['total_bytes'] / 1e6:.1f} MB"),
