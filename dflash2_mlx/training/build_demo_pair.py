@@ -15,6 +15,11 @@ directory and ``MANIFEST.json``.
 Everything is fixed: seeds, step counts (never a wall-clock budget), thread counts, and the
 order of every list. MLX on the CPU is deterministic for a fixed op sequence, so the same
 command on the same machine kind reproduces the committed weights bit for bit (``--check``).
+
+This module is the command line and the orchestration (stages in order, a finished target reused
+from a kept ``--work``, the assets directory and its manifest, ``--verify`` and ``--check``). The
+recipes are in ``demo_plan``, the stages in ``demo_stages``, the measurements in
+``demo_evaluation`` and ``demo_metrics``, the READMEs and the model card in ``demo_cards``.
 """
 
 from __future__ import annotations

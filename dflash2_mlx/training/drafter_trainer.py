@@ -1,5 +1,11 @@
 """Train a DFlash 2 (or DFlash 1) drafter against a frozen target, with the DFlash recipe.
 
+This module holds ``train_drafter``, the training loop. Its pieces live beside it, one job each:
+``drafter_training_config`` (the settings), ``drafter_init`` (the drafter's config and
+initialisation), ``drafter_batches`` (one step's seeded data), ``target_features`` (the frozen
+target's taps), ``drafter_loss``, ``drafter_checkpoint`` (save and resume), ``drafter_schedule``
+(learning rate, progress line) and ``drafter_eval`` (held-out acceptance).
+
 The recipe
 ----------
 - Data: sequences whose tail is the target's own greedy continuation (``data.py``). Anchors are
