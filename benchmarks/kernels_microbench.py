@@ -1,7 +1,7 @@
 """Microbenchmark of the DFlash 2 kernels at the real widths.
 
 Times, per call (dispatch + evaluation, median over iterations):
-- the composed reference MLX ops (``reference_*`` in dflash2_mlx.kernels.dispatch), eagerly and under
+- the composed reference MLX ops (``reference_*`` in dflash2_mlx.kernels.reference), eagerly and under
   ``mx.compile``;
 - the fused Metal kernels (``metal/*.metal`` through ``mx.fast.metal_kernel``) when Metal is
   available and the default device is the GPU; elsewhere only the reference is timed, and the
@@ -29,6 +29,7 @@ import mlx.core as mx
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from dflash2_mlx.diagnostics.doctor_report import time_us  # noqa: E402
 from dflash2_mlx.kernels import dispatch as kernels  # noqa: E402
+from dflash2_mlx.kernels import plans, reference  # noqa: E402
 
 
 def _time(fn, iters: int, warmup: int) -> dict:
@@ -42,7 +43,7 @@ def _time(fn, iters: int, warmup: int) -> dict:
 
 
 def _metal_call(name, *args):
-    plan = kernels.PLANNERS[name](*args)
+    plan = plans.PLANNERS[name](*args)
     if plan is None:
         raise RuntimeError(f"{name}: these shapes are not supported by the Metal kernel")
     return plan.finish(kernels._run_metal(plan))
@@ -87,9 +88,9 @@ def main(argv=None) -> int:
     pair_args = (anchor, cand, unary, hidden, pred_cb, succ_cb)
     samp_args = pair_args + (uniforms, args.temperature)
     cases = {
-        "two_tap_conv": (kernels.reference_two_tap_conv, conv_args),
-        "select_greedy": (kernels.reference_select_greedy, pair_args),
-        "select_sampled": (kernels.reference_select_sampled, samp_args),
+        "two_tap_conv": (reference.reference_two_tap_conv, conv_args),
+        "select_greedy": (reference.reference_select_greedy, pair_args),
+        "select_sampled": (reference.reference_select_sampled, samp_args),
     }
 
     metal = kernels._metal_device() and not kernels._forced_reference()

@@ -170,7 +170,7 @@ def test_ctrl_c_stops_the_answer_and_the_chat_goes_on(endless_pair):
 
 
 def test_think_splitter_streams_reasoning_and_answer():
-    from dflash2_mlx.cli.chat import ThinkSplitter
+    from dflash2_mlx.cli.think_splitter import ThinkSplitter
 
     split = ThinkSplitter(("<think>", "</think>"))
     pieces = []
@@ -234,7 +234,7 @@ def test_chat_reuses_message_boundaries_with_a_thinking_template(tiny_checkpoint
     from rich.console import Console
     from server_helpers import qwen_style_checkpoint
 
-    from dflash2_mlx.cli.chat import ChatSession
+    from dflash2_mlx.cli.chat_session import ChatSession
     from dflash2_mlx.engine import GenerationSettings
     from dflash2_mlx.models.loading import load_drafter, load_target
 
@@ -272,7 +272,8 @@ def test_reasoning_is_dimmed_and_collapsible():
 
     from rich.console import Console
 
-    from dflash2_mlx.cli.chat import ThinkSplitter, TurnPrinter
+    from dflash2_mlx.cli.think_splitter import ThinkSplitter
+    from dflash2_mlx.cli.turn_printer import TurnPrinter
 
     for show in (False, True):
         buf = io.StringIO()

@@ -377,7 +377,7 @@ def test_a_sampled_walk_row_without_allowed_candidates_falls_back_to_the_kernels
                                                                                      schema_grammar):
     """No candidate may start the answer: the walk is then the unmasked kernel's, q and picks
     (``reference_select_sampled`` over the same scores and uniforms)."""
-    from dflash2_mlx.kernels import dispatch as kernels
+    from dflash2_mlx.kernels import reference
 
     state = schema_grammar.start()
     start_allowed = np.flatnonzero(np.array(state.mask_next(mx.zeros((1, tiny.VOCAB)))[0]) > -1)
@@ -389,11 +389,11 @@ def test_a_sampled_walk_row_without_allowed_candidates_falls_back_to_the_kernels
               mx.array(rng.normal(size=(n, rows, rank)).astype(np.float32)),
               mx.array(rng.normal(size=(tiny.VOCAB, rank)).astype(np.float32)),
               mx.array(rng.normal(size=(tiny.VOCAB, rank)).astype(np.float32)))
-    pairs, candidates = np.array(kernels.pair_scores(*inputs)[0]), np.array(inputs[1][0])
+    pairs, candidates = np.array(reference.pair_scores(*inputs)[0]), np.array(inputs[1][0])
     compared = 0
     for _ in range(300):
         u = rng.random((n, rows)).astype(np.float32)
-        want_path, want_q = kernels.reference_select_sampled(*inputs, mx.array(u), 0.8)
+        want_path, want_q = reference.reference_select_sampled(*inputs, mx.array(u), 0.8)
         want_q = np.array(want_q[0])
         path, q = state.sampled_path(candidates, pairs, 0.8, u[0])
         np.testing.assert_allclose(q, want_q, atol=1e-6)

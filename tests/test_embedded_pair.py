@@ -9,9 +9,11 @@ from unittest import mock
 import pytest
 
 from dflash2_mlx import assets
+from dflash2_mlx.backend.files import sha256_file
 from dflash2_mlx.engine import GenerationSettings, collect, generate_autoregressive, generate_speculative
 from dflash2_mlx.models.loading import load_drafter, load_target
-from dflash2_mlx.training.build_demo_pair import CHECKED_FILES, repetition_rate, sha256_file
+from dflash2_mlx.training.demo_metrics import repetition_rate
+from dflash2_mlx.training.demo_plan import CHECKED_FILES
 
 MAX_TOKENS = 48
 

@@ -1,6 +1,6 @@
 """Kernels: the Metal bodies in metal/ (compiled for the CPU by tests/kernel_harness) against the
-reference ops in dflash2_mlx.kernels.dispatch, and the dispatcher (env var, override, active_kernels,
-the Mac self-check logic)."""
+reference ops in dflash2_mlx.kernels.reference, the launch plans (kernels.plans), the self-check
+(kernels.selfcheck) and the dispatcher (env var, override, active_kernels, the Mac self-check logic)."""
 
 from __future__ import annotations
 
@@ -16,6 +16,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from kernel_harness import harness  # noqa: E402
 
 from dflash2_mlx.kernels import dispatch as kernels  # noqa: E402
+from dflash2_mlx.kernels import plans, reference, selfcheck  # noqa: E402
 
 REPO = Path(__file__).resolve().parent.parent
 DTYPES = [mx.float32, mx.float16, mx.bfloat16]
@@ -78,7 +79,7 @@ def test_missing_compiler_is_a_clear_failure(monkeypatch):
         harness.find_compiler()
 
 
-CAST_SPEC = kernels.KernelSpec(
+CAST_SPEC = plans.KernelSpec(
     name="harness_cast", filename="<test>", input_names=("inp",), output_names=("out",)
 )
 CAST_BODY = """
@@ -88,7 +89,7 @@ CAST_BODY = """
 
 
 def _cast(a: mx.array, dtype: mx.Dtype) -> mx.array:
-    plan = kernels.Plan(
+    plan = plans.Plan(
         kernel="harness_cast", inputs=[a], template=[("T", dtype)], grid=(a.size, 1, 1),
         threadgroup=(64, 1, 1), output_shapes=[a.shape], output_dtypes=[dtype],
         finish=lambda outs: outs[0],
@@ -132,7 +133,7 @@ def test_shim_rejects_half_arithmetic():
     # Conversions are explicit: a body computing in half instead of float must not compile.
     body = "const uint i = thread_position_in_grid.x; out[i] = inp[i] * inp[i];"
     a = mx.ones((16,), mx.float16)
-    plan = kernels.Plan(
+    plan = plans.Plan(
         kernel="harness_cast", inputs=[a], template=[("T", mx.float16)], grid=(16, 1, 1),
         threadgroup=(16, 1, 1), output_shapes=[(16,)], output_dtypes=[mx.float16],
         finish=lambda outs: outs[0],
@@ -142,11 +143,11 @@ def test_shim_rejects_half_arithmetic():
 
 
 def test_generated_signature_mirrors_mlx():
-    spec = kernels.KERNEL_SPECS["select_sampled"]
-    body = kernels.load_source(spec)
+    spec = plans.KERNEL_SPECS["select_sampled"]
+    body = plans.load_source(spec)
     rng = np.random.default_rng(0)
     args = _pair_args(rng, 2, 3, 4, 8, 50) + [mx.zeros((2, 3)), 0.5]
-    plan = kernels.plan_select_sampled(*args)
+    plan = plans.plan_select_sampled(*args)
     text, _, uses_barrier = harness.generate(spec, body, plan.inputs, plan.output_dtypes, [])
     assert uses_barrier
     assert "void custom_kernel_dflash2_pair_sampled(" in text
@@ -157,11 +158,11 @@ def test_generated_signature_mirrors_mlx():
     assert "device float* q" in text and "device int32_t* path" in text
     assert "uint3 threadgroup_position_in_grid" in text
     assert "#define DFLASH2_PAIR_SAMPLED 1" in text
-    conv = kernels.KERNEL_SPECS["two_tap_conv"]
+    conv = plans.KERNEL_SPECS["two_tap_conv"]
     x = mx.zeros((1, 2, 16), mx.bfloat16)
-    conv_plan = kernels.plan_two_tap_conv(x, mx.zeros((1, 2, 2, 1)), mx.zeros((2, 16)))
+    conv_plan = plans.plan_two_tap_conv(x, mx.zeros((1, 2, 2, 1)), mx.zeros((2, 16)))
     text, _, uses_barrier = harness.generate(
-        conv, kernels.load_source(conv), conv_plan.inputs, conv_plan.output_dtypes,
+        conv, plans.load_source(conv), conv_plan.inputs, conv_plan.output_dtypes,
         conv_plan.template,
     )
     assert not uses_barrier
@@ -192,7 +193,7 @@ def test_conv_matches_reference(dtype):
         assert not problems, (n, length, hidden, groups, problems)
         # Same float32 arithmetic and one round-to-nearest-even: equal to the same-dtype
         # reference except (rarely) 1 unit in the last place.
-        want = kernels.reference_two_tap_conv(*args)
+        want = reference.reference_two_tap_conv(*args)
         g, w = np.array(got.astype(mx.float32)), np.array(want.astype(mx.float32))
         ulp = {mx.float32: 2.0**-23, mx.float16: 2.0**-10, mx.bfloat16: 2.0**-7}[dtype]
         assert np.all(np.abs(g - w) <= ulp * np.maximum(np.abs(w), 2.0**-14) + 1e-30)
@@ -216,22 +217,22 @@ def test_conv_never_crosses_a_block_boundary():
     rng = np.random.default_rng(4)
     x, dyn, base = _conv_args(rng, 3, 5, 32, 2)
     got = np.array(harness.two_tap_conv(x, dyn, base))
-    first = np.array(kernels.reference_two_tap_conv(x[1:2, :1], dyn[1:2, :1], base))
+    first = np.array(reference.reference_two_tap_conv(x[1:2, :1], dyn[1:2, :1], base))
     np.testing.assert_array_equal(got[1:2, :1], first)  # row 0 of block 1 sees zeros before it
 
 
 def test_unsupported_shapes_have_no_kernel_plan():
     x = mx.zeros((1, 4, 30))
-    assert kernels.plan_two_tap_conv(x, mx.zeros((1, 4, 2, 4)), mx.zeros((2, 30))) is None  # 30 % 4
-    assert kernels.plan_two_tap_conv(x.astype(mx.int32), mx.zeros((1, 4, 2, 3)),
+    assert plans.plan_two_tap_conv(x, mx.zeros((1, 4, 2, 4)), mx.zeros((2, 30))) is None  # 30 % 4
+    assert plans.plan_two_tap_conv(x.astype(mx.int32), mx.zeros((1, 4, 2, 3)),
                                      mx.zeros((2, 30))) is None
     rng = np.random.default_rng(21)
     pair = _pair_args(rng, 2, 3, 4, 8, 20)
-    assert kernels.plan_select_greedy(*pair) is not None
+    assert plans.plan_select_greedy(*pair) is not None
     bad = list(pair)
     bad[3] = mx.zeros((2, 3, 9))  # rank differs from the codebooks'
-    assert kernels.plan_select_greedy(*bad) is None
-    assert kernels.plan_select_sampled(*pair, mx.zeros((2, 4)), 1.0) is None  # uniforms shape
+    assert plans.plan_select_greedy(*bad) is None
+    assert plans.plan_select_sampled(*pair, mx.zeros((2, 4)), 1.0) is None  # uniforms shape
 
 
 def test_conv_other_tap_counts_fall_back_to_reference():
@@ -239,10 +240,10 @@ def test_conv_other_tap_counts_fall_back_to_reference():
     x = _normal(rng, (2, 6, 32))
     dyn = _normal(rng, (2, 6, 3, 4))
     base = _normal(rng, (3, 32))
-    assert kernels.plan_two_tap_conv(x, dyn, base) is None
+    assert plans.plan_two_tap_conv(x, dyn, base) is None
     np.testing.assert_array_equal(
         np.array(harness.two_tap_conv(x, dyn, base)),
-        np.array(kernels.reference_two_tap_conv(x, dyn, base)),
+        np.array(reference.reference_two_tap_conv(x, dyn, base)),
     )
 
 
@@ -261,7 +262,7 @@ def test_greedy_matches_reference(shape):
     rng = np.random.default_rng(6)
     args = _pair_args(rng, *shape)
     got = harness.select_greedy(*args)
-    assert not harness.compare_paths(got, kernels.reference_select_greedy(*args))
+    assert not harness.compare_paths(got, reference.reference_select_greedy(*args))
     # the kernel's pair-score scratch against float64 pair scores
     scores = np.array(harness.run_plan_outputs("select_greedy", *args)[1])
     want = _pair_scores_numpy(args)
@@ -277,7 +278,7 @@ def test_greedy_dtypes_and_uint32_candidates():
     args = _pair_args(rng, 3, 15, 16, 256, 1000, dtypes, cand_dtype=mx.uint32)
     got = harness.select_greedy(*args)
     assert got.dtype == mx.uint32
-    assert not harness.compare_paths(got, kernels.reference_select_greedy(*args))
+    assert not harness.compare_paths(got, reference.reference_select_greedy(*args))
 
 
 def _tie_args(rng, n=4, rows=9, k=8, rank=6, vocab=40):
@@ -293,7 +294,7 @@ def _tie_args(rng, n=4, rows=9, k=8, rank=6, vocab=40):
 def test_greedy_ties_take_the_first_maximum():
     rng = np.random.default_rng(8)
     args = _tie_args(rng)
-    want = kernels.reference_select_greedy(*args)
+    want = reference.reference_select_greedy(*args)
     assert not harness.compare_paths(harness.select_greedy(*args), want)
     assert not harness.compare_paths(harness.run_kernel("select_greedy", *args, reverse=True), want)
     # zero pair term and all-equal unary: always the first candidate
@@ -312,7 +313,7 @@ def test_sampled_matches_reference(shape):
     for temperature in (0.25, 1.0, 3.0):
         uniforms = mx.array(rng.random((n, rows)).astype(np.float32))
         got_path, got_q = harness.select_sampled(*args, uniforms, temperature)
-        want_path, want_q = kernels.reference_select_sampled(*args, uniforms, temperature)
+        want_path, want_q = reference.reference_select_sampled(*args, uniforms, temperature)
         assert not harness.compare_paths(got_path, want_path), temperature
         assert not harness.compare_q(got_q, want_q), temperature
 
@@ -323,7 +324,7 @@ def test_sampled_edges_clamp_and_ties():
     for value in (0.0, 2.0):  # 2.0 > every cdf: the choice is clamped to k - 1
         uniforms = mx.full((3, 6), value, mx.float32)
         got_path, got_q = harness.select_sampled(*args, uniforms, 0.7)
-        want_path, want_q = kernels.reference_select_sampled(*args, uniforms, 0.7)
+        want_path, want_q = reference.reference_select_sampled(*args, uniforms, 0.7)
         assert not harness.compare_paths(got_path, want_path)
         assert not harness.compare_q(got_q, want_q)
     uniforms = mx.full((3, 6), 2.0, mx.float32)
@@ -335,7 +336,7 @@ def test_sampled_edges_clamp_and_ties():
     uniforms = mx.array(rng.random((4, 9)).astype(np.float32)).astype(mx.bfloat16)
     temperature = mx.array(0.5)
     got_path, got_q = harness.select_sampled(*args, uniforms, temperature)
-    want_path, want_q = kernels.reference_select_sampled(*args, uniforms, temperature)
+    want_path, want_q = reference.reference_select_sampled(*args, uniforms, temperature)
     assert not harness.compare_paths(got_path, want_path)
     assert not harness.compare_q(got_q, want_q)
 
@@ -346,7 +347,7 @@ def test_sampled_edges_clamp_and_ties():
 
 
 def _mutate(name: str, old: str, new: str) -> str:
-    body = kernels.load_source(name)
+    body = plans.load_source(name)
     assert old in body, f"mutation anchor {old!r} not in {name}"
     return body.replace(old, new)
 
@@ -368,7 +369,7 @@ def test_wrong_conv_is_detected():
                     "static_cast<T>(k0 * cur + k1 * prev - 0.0039f * metal::abs(k0 * cur + k1 * prev))")
     got = harness.run_kernel("two_tap_conv", x, dyn, base, source=wrong)
     assert np.mean(np.array(got.astype(mx.float32)) ==
-                   np.array(kernels.reference_two_tap_conv(x, dyn, base).astype(mx.float32))) < 0.999
+                   np.array(reference.reference_two_tap_conv(x, dyn, base).astype(mx.float32))) < 0.999
 
 
 def test_out_of_bounds_write_is_detected():
@@ -384,7 +385,7 @@ def test_wrong_greedy_tie_break_is_detected():
     args = _tie_args(rng)
     wrong = _mutate("select_greedy", "if (s > best)", "if (s >= best)")
     got = harness.run_kernel("select_greedy", *args, source=wrong)
-    assert harness.compare_paths(got, kernels.reference_select_greedy(*args))
+    assert harness.compare_paths(got, reference.reference_select_greedy(*args))
 
 
 def test_missing_barrier_is_detected():
@@ -394,9 +395,9 @@ def test_missing_barrier_is_detected():
     args = _pair_args(rng, 2, 15, 16, 32, 100)
     wrong = _mutate("select_greedy", "threadgroup_barrier(mem_flags::mem_device);", "")
     got = harness.run_kernel("select_greedy", *args, source=wrong)
-    assert harness.compare_paths(got, kernels.reference_select_greedy(*args))
+    assert harness.compare_paths(got, reference.reference_select_greedy(*args))
     # and with the barrier, the order of the threads does not matter
-    want = kernels.reference_select_greedy(*args)
+    want = reference.reference_select_greedy(*args)
     assert not harness.compare_paths(harness.run_kernel("select_greedy", *args, reverse=True), want)
 
 
@@ -413,7 +414,7 @@ def test_wrong_sampled_kernels_are_detected():
     rng = np.random.default_rng(16)
     args = _pair_args(rng, 2, 6, 16, 32, 100)
     uniforms = mx.full((2, 6), 2.0, mx.float32)
-    want_path, want_q = kernels.reference_select_sampled(*args, uniforms, 0.7)
+    want_path, want_q = reference.reference_select_sampled(*args, uniforms, 0.7)
     wrong = _mutate("select_sampled", "below < K - 1 ? below : K - 1", "below")  # no clamp
     got_path, _ = harness.run_kernel("select_sampled", *args, uniforms, 0.7, source=wrong)
     assert harness.compare_paths(got_path, want_path)
@@ -421,7 +422,7 @@ def test_wrong_sampled_kernels_are_detected():
                     "scores[srow + b] * temp - m) / total")  # temperature applied wrongly
     uniforms = mx.array(rng.random((2, 6)).astype(np.float32))
     _, got_q = harness.run_kernel("select_sampled", *args, uniforms, 0.7, source=wrong)
-    assert harness.compare_q(got_q, kernels.reference_select_sampled(*args, uniforms, 0.7)[1])
+    assert harness.compare_q(got_q, reference.reference_select_sampled(*args, uniforms, 0.7)[1])
 
 
 # ---------------------------------------------------------------------------------------------
@@ -430,27 +431,27 @@ def test_wrong_sampled_kernels_are_detected():
 
 
 def test_sources_load_from_the_package_metal_folder():
-    for name, spec in kernels.KERNEL_SPECS.items():
-        assert kernels.load_source(name) == (REPO / "dflash2_mlx" / "kernels" / "metal" / spec.filename).read_text()
+    for name, spec in plans.KERNEL_SPECS.items():
+        assert plans.load_source(name) == (REPO / "dflash2_mlx" / "kernels" / "metal" / spec.filename).read_text()
     assert (REPO / "dflash2_mlx" / "kernels" / "metal" / "__init__.py").exists()  # package dflash2_mlx.kernels.metal (package data)
 
 
 def test_reference_on_this_machine(monkeypatch):
     monkeypatch.delenv(kernels.ENV_VAR, raising=False)
     assert not mx.metal.is_available()
-    assert kernels.active_kernels() == {name: "reference" for name in kernels.KERNEL_NAMES}
+    assert kernels.active_kernels() == {name: "reference" for name in reference.KERNEL_NAMES}
     rng = np.random.default_rng(17)
     args = _conv_args(rng, 2, 8, 48, 3)
     np.testing.assert_array_equal(
-        np.array(kernels.two_tap_conv(*args)), np.array(kernels.reference_two_tap_conv(*args))
+        np.array(kernels.two_tap_conv(*args)), np.array(reference.reference_two_tap_conv(*args))
     )
     pair = _pair_args(rng, 2, 5, 4, 8, 30)
     np.testing.assert_array_equal(
-        np.array(kernels.select_greedy(*pair)), np.array(kernels.reference_select_greedy(*pair))
+        np.array(kernels.select_greedy(*pair)), np.array(reference.reference_select_greedy(*pair))
     )
     uniforms = mx.array(rng.random((2, 5)).astype(np.float32))
     for got, want in zip(kernels.select_sampled(*pair, uniforms, 0.9),
-                         kernels.reference_select_sampled(*pair, uniforms, 0.9)):
+                         reference.reference_select_sampled(*pair, uniforms, 0.9)):
         np.testing.assert_array_equal(np.array(got), np.array(want))
 
 
@@ -503,8 +504,8 @@ def test_public_functions_through_the_harness():
         got_greedy = kernels.select_greedy(*pair)
         got_path, got_q = kernels.select_sampled(*pair, uniforms, 0.8)
     assert not harness.compare_conv(got_conv, *conv)
-    assert not harness.compare_paths(got_greedy, kernels.reference_select_greedy(*pair))
-    want_path, want_q = kernels.reference_select_sampled(*pair, uniforms, 0.8)
+    assert not harness.compare_paths(got_greedy, reference.reference_select_greedy(*pair))
+    want_path, want_q = reference.reference_select_sampled(*pair, uniforms, 0.8)
     assert not harness.compare_paths(got_path, want_path)
     assert not harness.compare_q(got_q, want_q)
 
@@ -539,10 +540,10 @@ def test_self_check_passes_and_metal_path_is_used(simulated_metal):
     assert runs.count("two_tap_conv") == 3  # checked once per dtype combination
     kernels.two_tap_conv(*_conv_args(rng, 2, 8, 48, 3, mx.bfloat16))
     assert runs.count("two_tap_conv") == 5
-    assert kernels.prepare() == {name: "metal" for name in kernels.KERNEL_NAMES}
+    assert kernels.prepare() == {name: "metal" for name in reference.KERNEL_NAMES}
     pair = _pair_args(rng, 2, 5, 4, 8, 30)
     np.testing.assert_array_equal(
-        np.array(kernels.select_greedy(*pair)), np.array(kernels.reference_select_greedy(*pair))
+        np.array(kernels.select_greedy(*pair)), np.array(reference.reference_select_greedy(*pair))
     )
     assert not kernels.disabled_kernels()
     with pytest.MonkeyPatch.context() as mp:
@@ -559,7 +560,7 @@ def test_self_check_failure_falls_back_with_a_warning(simulated_metal):
     pair = _pair_args(rng, 2, 5, 4, 8, 30)
     with pytest.warns(RuntimeWarning, match="select_greedy.*self-check"):
         got = kernels.select_greedy(*pair)
-    np.testing.assert_array_equal(np.array(got), np.array(kernels.reference_select_greedy(*pair)))
+    np.testing.assert_array_equal(np.array(got), np.array(reference.reference_select_greedy(*pair)))
     assert kernels.active_kernels()["select_greedy"] == "reference"
     assert kernels.active_kernels()["two_tap_conv"] == "metal"
     assert "select_greedy" in kernels.disabled_kernels()
@@ -578,8 +579,8 @@ def test_self_check_failure_falls_back_with_a_warning(simulated_metal):
 # ----- the self-check's decision, with the CPU harness (or a broken kernel) standing in for Metal
 
 
-@pytest.mark.parametrize("dtype", kernels.CHECK_DTYPES, ids=str)
-@pytest.mark.parametrize("name", kernels.KERNEL_NAMES)
+@pytest.mark.parametrize("dtype", selfcheck.CHECK_DTYPES, ids=str)
+@pytest.mark.parametrize("name", reference.KERNEL_NAMES)
 def test_self_check_passes_the_real_kernel_bodies_at_the_real_launch_widths(name, dtype):
     """check_kernel with the harness-compiled .metal body: it passes for every dtype, and the
     launch it checks is a real one (threadgroups of 256 threads, hidden 5120, k 16, rank 256)."""
@@ -589,10 +590,10 @@ def test_self_check_passes_the_real_kernel_bodies_at_the_real_launch_widths(name
         launched.append(plan)
         return harness.run(plan)
 
-    assert kernels.check_kernel(name, dtype, run) is None
+    assert selfcheck.check_kernel(name, dtype, run) is None
     (plan,) = launched
     assert plan.threadgroup[0] == 256
-    args = kernels.check_args(name, dtype)
+    args = selfcheck.check_args(name, dtype)
     if name == "two_tap_conv":
         assert args[0].shape == (1, 16, 5120) and args[1].shape == (1, 16, 2, 320)
     else:
@@ -606,7 +607,7 @@ def test_self_check_passes_the_real_kernel_bodies_at_the_real_launch_widths(name
 ])
 def test_self_check_rejects_a_wrong_kernel_body(name, old, new):
     source = _mutate(name, old, new)
-    problem = kernels.check_kernel(name, mx.bfloat16, lambda plan: harness.run(plan, source=source))
+    problem = selfcheck.check_kernel(name, mx.bfloat16, lambda plan: harness.run(plan, source=source))
     assert problem is not None and "bfloat16" in problem
 
 
@@ -614,7 +615,7 @@ def test_self_check_rejects_a_kernel_that_fails_to_launch_or_is_off_by_a_percent
     def broken(plan):
         raise RuntimeError("Unable to build metal library from source\nerror: ...")
 
-    assert kernels.check_kernel("two_tap_conv", mx.float32, broken).startswith("RuntimeError: Unable to build")
+    assert selfcheck.check_kernel("two_tap_conv", mx.float32, broken).startswith("RuntimeError: Unable to build")
 
     def off(plan):  # the float output (conv: out; sampled: q) 1% off, paths untouched
         outs = list(harness.run(plan))
@@ -622,21 +623,21 @@ def test_self_check_rejects_a_kernel_that_fails_to_launch_or_is_off_by_a_percent
         outs[i] = outs[i] * 1.01
         return outs
 
-    assert "max abs error" in kernels.check_kernel("two_tap_conv", mx.float32, off)
-    assert "q max abs error" in kernels.check_kernel("select_sampled", mx.float32, off)
+    assert "max abs error" in selfcheck.check_kernel("two_tap_conv", mx.float32, off)
+    assert "q max abs error" in selfcheck.check_kernel("select_sampled", mx.float32, off)
 
 
 def test_self_check_computes_its_reference_on_the_cpu_stream(monkeypatch):
     """A GPU matmul may run as TF32: the reference is computed on the CPU stream."""
     devices = []
-    reference = kernels.REFERENCES["two_tap_conv"]
+    reference_conv = reference.REFERENCES["two_tap_conv"]
 
     def recording(*args):
         devices.append(mx.default_device())
-        return reference(*args)
+        return reference_conv(*args)
 
-    monkeypatch.setitem(kernels.REFERENCES, "two_tap_conv", recording)
-    assert kernels.check_kernel("two_tap_conv", mx.float32, harness.run) is None
+    monkeypatch.setitem(reference.REFERENCES, "two_tap_conv", recording)
+    assert selfcheck.check_kernel("two_tap_conv", mx.float32, harness.run) is None
     assert devices == [mx.cpu]
 
 
@@ -662,7 +663,7 @@ def test_a_kernel_failing_for_one_dtype_is_disabled_for_that_dtype_only(simulate
     bf16 = _conv_args(rng, 1, 8, 48, 3, mx.bfloat16)
     got = kernels.two_tap_conv(*bf16)  # bfloat16: the reference, no launch, no new check
     assert len(runs) == before + 1
-    assert mx.array_equal(got, kernels.reference_two_tap_conv(*bf16))
+    assert mx.array_equal(got, reference.reference_two_tap_conv(*bf16))
 
 
 def test_compiled_functions_are_self_checked_for_their_inputs_dtypes_before_the_trace(simulated_metal):
@@ -681,7 +682,7 @@ def test_compiled_functions_are_self_checked_for_their_inputs_dtypes_before_the_
     kernels.compiled({}, "conv", fn, weights)
     assert not traced
     checks = kernels.self_checks()
-    assert {d for name in kernels.KERNEL_NAMES for d in checks[name]} == {"float32", "bfloat16"}
+    assert {d for name in reference.KERNEL_NAMES for d in checks[name]} == {"float32", "bfloat16"}
     before = len(runs)
     x, dyn, _ = _conv_args(np.random.default_rng(5), 1, 8, 48, 3, mx.bfloat16)
     kernels.two_tap_conv(x, dyn, weights["base"])
@@ -695,6 +696,6 @@ def test_loading_a_pair_self_checks_the_dtypes_the_models_use(simulated_metal, e
     dtypes = {str(a.dtype).split(".")[-1] for m in (target.runner.model, drafter)
               for _, a in __import__("mlx.utils", fromlist=["tree_flatten"]).tree_flatten(m.parameters())}
     checks = kernels.self_checks()
-    for name in kernels.KERNEL_NAMES:
+    for name in reference.KERNEL_NAMES:
         assert set(checks[name]) >= dtypes & {"float32", "float16", "bfloat16"}
         assert all(v == "pass" for v in checks[name].values())

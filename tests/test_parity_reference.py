@@ -223,7 +223,7 @@ def _our_q_along(selector, hidden, logits, anchor, temperature, path):
     """Our candidates and q rows when our sampled walk follows ``path`` (the reference's draw).
 
     q_i depends only on the predecessor, so the uniforms are fixed row by row: u_i is the middle
-    of the CDF interval of path[i] in our own q_i (inverse-CDF selection, see kernels.py)."""
+    of the CDF interval of path[i] in our own q_i (inverse-CDF selection, see kernels/reference.py)."""
     rows = len(path)
     uniforms = np.full((1, rows), 0.5, dtype=np.float32)
     for i in range(rows):

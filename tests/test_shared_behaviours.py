@@ -99,7 +99,7 @@ def qwen_target(tiny_checkpoints, tmp_path_factory):
 def _chat_session(target):
     from rich.console import Console
 
-    from dflash2_mlx.cli.chat import ChatSession
+    from dflash2_mlx.cli.chat_session import ChatSession
     from dflash2_mlx.engine import GenerationSettings
 
     return ChatSession(target, None, GenerationSettings(max_tokens=4), Console(file=io.StringIO()), None, None,
@@ -187,7 +187,7 @@ def test_chat_splits_reasoning_at_the_tokenizers_own_tags_and_starts_where_the_s
 
 
 def test_a_model_without_reasoning_tags_answers_in_plain_text_in_chat_as_in_the_server(tiny_checkpoints):
-    from dflash2_mlx.cli.chat import ThinkSplitter
+    from dflash2_mlx.cli.think_splitter import ThinkSplitter
     from dflash2_mlx.models.loading import load_target
     from dflash2_mlx.server.chat import OutputParser
     from dflash2_mlx.text.reasoning import reasoning_tags

@@ -20,25 +20,13 @@ from dflash2_mlx.models.drafter_config import DFLASH1, DFLASH2
 from dflash2_mlx.models.loading import load_drafter, load_target
 from dflash2_mlx.models.selector import top_k_candidates
 from dflash2_mlx.training.data import generate_training_sequences, sample_windows
-from dflash2_mlx.training.drafter_trainer import (
-    STATE_DIR,
-    DrafterTrainingConfig,
-    anchor_range,
-    batch_indices,
-    block_arrays,
-    default_target_layer_ids,
-    drafter_loss,
-    evaluate_drafter,
-    forward_blocks,
-    greedy_walk_correct,
-    init_drafter,
-    load_checkpoint_state,
-    loss_weights,
-    make_drafter_config,
-    sample_anchors,
-    simulated_cycles,
-    train_drafter,
-)
+from dflash2_mlx.training.drafter_batches import anchor_range, batch_indices, block_arrays, loss_weights, sample_anchors
+from dflash2_mlx.training.drafter_checkpoint import STATE_DIR, load_checkpoint_state
+from dflash2_mlx.training.drafter_eval import evaluate_drafter, greedy_walk_correct, simulated_cycles
+from dflash2_mlx.training.drafter_init import default_target_layer_ids, init_drafter, make_drafter_config
+from dflash2_mlx.training.drafter_loss import drafter_loss, forward_blocks
+from dflash2_mlx.training.drafter_trainer import train_drafter
+from dflash2_mlx.training.drafter_training_config import DrafterTrainingConfig
 
 PREFIX, CONT, B = 12, 28, 8
 
@@ -269,11 +257,12 @@ def test_soft_targets_mix_the_targets_distribution_into_each_rows_cross_entropy(
 
 def test_block_target_logits_are_the_targets_prediction_of_each_rows_label(target, sequences):
     """On greedy continuations the target's argmax at row i's position is row i's label."""
-    from dflash2_mlx.training.drafter_trainer import _Features, block_target_logits
+    from dflash2_mlx.training.drafter_loss import block_target_logits
+    from dflash2_mlx.training.target_features import TargetFeatures
 
     runner = target.runner
-    feats, final = _Features(runner, sequences, [0], 1 << 30, final=True)(np.arange(len(sequences)))
-    plain, none = _Features(runner, sequences, [0], 1 << 30)(np.arange(len(sequences)))
+    feats, final = TargetFeatures(runner, sequences, [0], 1 << 30, final=True)(np.arange(len(sequences)))
+    plain, none = TargetFeatures(runner, sequences, [0], 1 << 30)(np.arange(len(sequences)))
     assert none is None and np.array_equal(np.array(feats), np.array(plain))
     anchors = np.stack([sample_anchors(np.random.default_rng(i), sequences.shape[1], B, 3, PREFIX) for i in range(len(sequences))])
     _, labels, _ = block_arrays(sequences, anchors, B, 0)
@@ -399,7 +388,7 @@ def test_identity_convs_compute_exactly_a_drafter_without_them(target, sequences
     """The "no convs" ablation (frozen identity convs) is bit for bit a convless drafter."""
     config = small_config(convs=False)
     v2 = _randomized(target, config)
-    from dflash2_mlx.training.drafter_trainer import _reset_convs
+    from dflash2_mlx.training.drafter_init import _reset_convs
 
     _reset_convs(v2)
     v1_config = make_drafter_config(target, small_config(convs=False, selector=False))
@@ -417,7 +406,7 @@ def test_identity_convs_compute_exactly_a_drafter_without_them(target, sequences
 def test_zero_selector_walk_is_the_per_row_argmax(target):
     config = small_config(selector=False)
     drafter = _randomized(target, config)
-    from dflash2_mlx.training.drafter_trainer import _zero_selector
+    from dflash2_mlx.training.drafter_init import _zero_selector
 
     _zero_selector(drafter)
     rng = np.random.default_rng(4)

@@ -15,8 +15,7 @@ import mlx.core as mx
 import pytest
 
 import dflash2_mlx  # noqa: F401  (OpenBLAS before mlx.core, when this file runs first)
-from dflash2_mlx.training import build_demo_pair as build
-from dflash2_mlx.training import corpus
+from dflash2_mlx.training import corpus, demo_metrics, demo_plan
 from dflash2_mlx.training import target_trainer as tt
 from dflash2_mlx.training import tokenizer as tk
 
@@ -273,7 +272,7 @@ def test_batch_order_and_schedule_are_fixed():
 
 
 def test_target_size_budget():
-    plan = build.FULL
+    plan = demo_plan.FULL
     config = tt.model_config(plan.vocab_size, 0, **plan.target_model)
     assert tt.float32_bytes(config) <= 16_000_000
 
@@ -283,22 +282,22 @@ def test_target_size_budget():
 
 
 def test_repetition_rate():
-    assert build.repetition_rate([1, 2, 3, 4, 5, 6]) == (0, 3)
-    assert build.repetition_rate([1, 2, 3, 4] * 3) == (5, 9)
-    assert build.repetition_rate([1, 2]) == (0, 0)
+    assert demo_metrics.repetition_rate([1, 2, 3, 4, 5, 6]) == (0, 3)
+    assert demo_metrics.repetition_rate([1, 2, 3, 4] * 3) == (5, 9)
+    assert demo_metrics.repetition_rate([1, 2]) == (0, 0)
 
 
 def test_prompt_lookup_replay():
     # No recurrence: every cycle drafts nothing and emits the bonus token only.
-    assert build.prompt_lookup_acceptance([10, 11], [1, 2, 3, 4], block_size=4) == (3, 3)
+    assert demo_metrics.prompt_lookup_acceptance([10, 11], [1, 2, 3, 4], block_size=4) == (3, 3)
     # A repeated phrase is drafted from its earlier occurrence.
     prompt = [5, 6, 7, 8, 9]
     output = [5, 6, 7, 8, 9, 1]
     # history [5..9, 5] -> lookup "5" -> drafts [6, 7, 8] all accepted + bonus 9; then drafts after "9"...
-    emitted, cycles = build.prompt_lookup_acceptance(prompt, output, block_size=4)
+    emitted, cycles = demo_metrics.prompt_lookup_acceptance(prompt, output, block_size=4)
     assert emitted == 5 and cycles == 2
-    assert build.prompt_lookup_draft([1, 2, 3, 1, 2], 2) == [3, 1]
-    assert build.prompt_lookup_draft([1, 2, 3], 2) == []
+    assert demo_metrics.prompt_lookup_draft([1, 2, 3, 1, 2], 2) == [3, 1]
+    assert demo_metrics.prompt_lookup_draft([1, 2, 3], 2) == []
 
 
 def test_assets_api_points_into_the_package_or_says_how_to_build_the_pair():
@@ -325,10 +324,10 @@ def test_the_ablation_trains_on_the_builds_own_drafter_data_and_caches_it(tmp_pa
     from dflash2_mlx.models.loading import load_target
     from dflash2_mlx.training import ablation
 
-    plan = build.QUICK
+    plan = demo_plan.QUICK
     target = load_target(str(demo_target_path()))
-    seqs, prompts = ablation.training_data(plan, target, tmp_path, build.Log())
+    seqs, prompts = ablation.training_data(plan, target, tmp_path, demo_plan.Log())
     assert seqs.shape == (plan.drafter_sequences + plan.drafter_sampled_sequences, plan.prefix_len + plan.continuation_len)
     assert len(prompts) == plan.num_prompts
-    again, _ = ablation.training_data(plan, target, tmp_path, build.Log())
+    again, _ = ablation.training_data(plan, target, tmp_path, demo_plan.Log())
     assert (again == seqs).all() and len(list(tmp_path.glob("drafter_data_*.npy"))) == 1

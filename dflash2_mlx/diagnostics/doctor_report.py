@@ -29,6 +29,7 @@ import mlx.core as mx
 from dflash2_mlx.backend import device
 from dflash2_mlx.engine import GenerationSettings, generate_autoregressive, generate_speculative
 from dflash2_mlx.kernels import dispatch as kernels
+from dflash2_mlx.kernels import plans, reference, selfcheck
 from dflash2_mlx.models import drafter_precision, memory
 
 # Generic prompts for pairs with a chat template (the embedded code pair brings its own).
@@ -113,11 +114,11 @@ def kernels_section(dtypes: Sequence[mx.Dtype]) -> dict:
     metal = kernels._metal_device() and not kernels._forced_reference()
     active = kernels.prepare(dtypes)
     timings = {}
-    for name in kernels.KERNEL_NAMES:
-        args = kernels.check_args(name, mx.float32)
-        entry = {"reference_us": _median_us(lambda: kernels.REFERENCES[name](*args)), "metal_us": None}
+    for name in reference.KERNEL_NAMES:
+        args = selfcheck.check_args(name, mx.float32)
+        entry = {"reference_us": _median_us(lambda: reference.REFERENCES[name](*args)), "metal_us": None}
         if metal and active[name].startswith("metal"):
-            plan = kernels.PLANNERS[name](*args)
+            plan = plans.PLANNERS[name](*args)
             entry["metal_us"] = _median_us(lambda: plan.finish(kernels._run_metal(plan)))
         timings[name] = entry
     return {
@@ -125,7 +126,7 @@ def kernels_section(dtypes: Sequence[mx.Dtype]) -> dict:
         "compiled": bool(metal) and any(v.startswith("metal") for v in active.values()),
         "active": active,
         "self_checks": kernels.self_checks(),
-        "check_widths": dict(kernels.CHECK_WIDTHS),
+        "check_widths": dict(selfcheck.CHECK_WIDTHS),
         "timings_float32": timings,
     }
 

@@ -12,6 +12,7 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from dflash2_mlx.kernels import dispatch as kernels
+from dflash2_mlx.kernels import reference
 
 
 def top_k_candidates(logits: mx.array, k: int) -> tuple[mx.array, mx.array]:
@@ -50,7 +51,7 @@ class CandidateSelector(nn.Module):
         """hidden [N, R, H], logits [N, R, V], anchor [N] -> (candidates [N, R, k], pair scores
         [N, R, k, k]) for a walk done elsewhere (the grammar's, which skips refused candidates)."""
         candidates, unary = top_k_candidates(logits, self.top_k)
-        return candidates, kernels.pair_scores(
+        return candidates, reference.pair_scores(
             anchor, candidates, unary, self.hidden_projection(hidden),
             self.predecessor_codebook, self.successor_codebook,
         )

@@ -41,25 +41,26 @@ VARIANTS = (
 
 def training_data(plan, target, work: Path, log) -> tuple[np.ndarray, list[dict]]:
     """The demo build's drafter data and held-out prompts (cached in ``work``: generation takes minutes)."""
-    from dflash2_mlx.training import build_demo_pair as bd
+    from dflash2_mlx.backend.files import sha256_file
     from dflash2_mlx.training import corpus as corpus_mod
+    from dflash2_mlx.training import demo_stages as stages
 
-    files, train, held = bd.build_corpus(plan, log)
-    tok = bd.build_tokenizer(plan, train, work / "tokenizer", log)
-    docs, _, _ = bd.build_documents(plan, tok, train, held, log)
+    files, train, held = stages.build_corpus(plan, log)
+    tok = stages.build_tokenizer(plan, train, work / "tokenizer", log)
+    docs, _, _ = stages.build_documents(plan, tok, train, held, log)
     prompts = corpus_mod.prompt_prefixes(held, plan.num_prompts)
     key = hashlib.sha256(json.dumps([
-        corpus_mod.manifest(files)["list_sha256"], bd.sha256_file(work / "tokenizer" / "tokenizer.json"),
+        corpus_mod.manifest(files)["list_sha256"], sha256_file(work / "tokenizer" / "tokenizer.json"),
         plan.drafter_sequences, plan.drafter_sampled_sequences, plan.drafter_sample_temperature,
         plan.prefix_len, plan.continuation_len, plan.seed + 1,
-        bd.sha256_file(Path(target.path) / "model.safetensors"),
+        sha256_file(Path(target.path) / "model.safetensors"),
     ]).encode()).hexdigest()[:16]
     cached = work / f"drafter_data_{key}.npy"
     if cached.exists():
         log(f"drafter data: reusing {cached}")
         return np.load(cached), prompts
     t0 = time.perf_counter()
-    seqs = bd.drafter_data(plan, target, docs)
+    seqs = stages.drafter_data(plan, target, docs)
     np.save(cached, seqs)
     log(f"drafter data: {seqs.shape[0]} sequences in {time.perf_counter() - t0:.0f}s")
     return seqs, prompts
@@ -123,12 +124,13 @@ def main(argv: Optional[list[str]] = None) -> int:
 
     from dflash2_mlx.assets import demo_target_path
     from dflash2_mlx.models.loading import load_target
-    from dflash2_mlx.training import build_demo_pair as bd
-    from dflash2_mlx.training.drafter_trainer import DrafterTrainingConfig, train_drafter
+    from dflash2_mlx.training import demo_plan
+    from dflash2_mlx.training.drafter_trainer import train_drafter
+    from dflash2_mlx.training.drafter_training_config import DrafterTrainingConfig
 
-    plan = bd.FULL
-    log = bd.Log()
-    bd.fix_threads()
+    plan = demo_plan.FULL
+    log = demo_plan.Log()
+    demo_plan.fix_threads()
     work = args.work or Path(tempfile.mkdtemp(prefix="dflash2-ablation-"))
     work.mkdir(parents=True, exist_ok=True)
     target = load_target(str(demo_target_path()))

@@ -12,7 +12,7 @@ the system C++ compiler (g++) and run on the CPU:
    ``device T*``, template parameters from ``template=`` and the thread-position attributes the
    body mentions -- and whose body is the EXACT text of the ``.metal`` file;
 2. the unit is compiled into a shared library, cached under the temp dir by a hash of its text;
-3. :func:`run` takes a :class:`dflash2_mlx.kernels.dispatch.Plan` -- the same launch description the
+3. :func:`run` takes a :class:`dflash2_mlx.kernels.plans.Plan` -- the same launch description the
    Metal path passes to ``mx.fast.metal_kernel`` (inputs, template, grid, threadgroup, output
    shapes and dtypes) -- makes the inputs row-contiguous (``ensure_row_contiguous=True``), fills
    the outputs with a 0xFF poison pattern (NaN for floats, -1 for int32) unless ``init_value``
@@ -44,7 +44,7 @@ from typing import Callable, Sequence
 import mlx.core as mx
 import numpy as np
 
-from dflash2_mlx.kernels import dispatch as kernels
+from dflash2_mlx.kernels import plans, reference
 
 HERE = Path(__file__).resolve().parent
 SHIM = HERE / "shim.h"
@@ -124,7 +124,7 @@ def _template_value(value) -> tuple[str, str]:
     raise HarnessError(f"template argument {value!r} must be an mx.Dtype, int or bool")
 
 
-def function_name(spec: kernels.KernelSpec, template: Sequence[tuple[str, object]]) -> str:
+def function_name(spec: plans.KernelSpec, template: Sequence[tuple[str, object]]) -> str:
     """The kernel function name MLX generates (``custom_kernel_<name>[_<template hash>]``)."""
     name = "custom_kernel_" + spec.name
     if template:
@@ -142,7 +142,7 @@ class _Param:
 
 
 def generate(
-    spec: kernels.KernelSpec,
+    spec: plans.KernelSpec,
     body: str,
     inputs: Sequence[mx.array],
     output_dtypes: Sequence[mx.Dtype],
@@ -326,21 +326,21 @@ def _to_mlx(a: np.ndarray, dtype: mx.Dtype) -> mx.array:
 
 
 def run(
-    plan: kernels.Plan,
+    plan: plans.Plan,
     *,
     source: str | None = None,
     reverse: bool = False,
-    spec: kernels.KernelSpec | None = None,
+    spec: plans.KernelSpec | None = None,
 ) -> list[mx.array]:
     """Run a launch plan through the compiled body; ``source`` replaces the kernel's body text
     (to test the harness itself), ``reverse`` runs threadgroups and threads in reverse order,
-    ``spec`` describes a kernel that is not one of dflash2_mlx.kernels.dispatch.KERNEL_SPECS (then
+    ``spec`` describes a kernel that is not one of dflash2_mlx.kernels.plans.KERNEL_SPECS (then
     ``source`` is required)."""
     if spec is None:
         spec = plan.spec
     elif source is None:
         raise HarnessError("a custom spec needs its body text (source=...)")
-    body = kernels.load_source(spec) if source is None else source
+    body = plans.load_source(spec) if source is None else source
     text, params, _ = generate(
         spec, body, plan.inputs, plan.output_dtypes, plan.template,
         source_label=f"metal/{spec.filename}" if source is None else f"modified/{spec.filename}",
@@ -400,15 +400,15 @@ def run_kernel(name: str, *args, source: str | None = None, reverse: bool = Fals
     """The public kernel function ``name`` of dflash2_mlx.kernels.dispatch with the harness in place of
     Metal: same planning (unsupported shapes go to the reference ops, as on a Mac), same
     post-processing of the outputs."""
-    plan = kernels.PLANNERS[name](*args)
+    plan = plans.PLANNERS[name](*args)
     if plan is None:
-        return kernels.REFERENCES[name](*args)
+        return reference.REFERENCES[name](*args)
     return plan.finish(run(plan, source=source, reverse=reverse))
 
 
 def run_plan_outputs(name: str, *args, source: str | None = None, reverse: bool = False):
     """Raw kernel outputs (including the pair kernels' score scratch) for a call."""
-    plan = kernels.PLANNERS[name](*args)
+    plan = plans.PLANNERS[name](*args)
     if plan is None:
         raise HarnessError(f"{name}: these arguments are not supported by the kernel")
     return run(plan, source=source, reverse=reverse)
@@ -449,7 +449,7 @@ def harness_kernels(
         fn.__name__ = f"harness_{name}"
         return fn
 
-    return {name: make(name) for name in kernels.KERNEL_NAMES}
+    return {name: make(name) for name in reference.KERNEL_NAMES}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -468,8 +468,8 @@ def compare_conv(got: mx.array, x: mx.array, dynamic: mx.array, base: mx.array) 
     max abs error vs the float32 reference (on the same, already rounded inputs) within 1e-5
     (float32) or 1e-2 (float16/bfloat16), scaled by max(1, max |reference|)."""
     problems = []
-    want = kernels.reference_two_tap_conv(x, dynamic, base)
-    want32 = kernels.reference_two_tap_conv(
+    want = reference.reference_two_tap_conv(x, dynamic, base)
+    want32 = reference.reference_two_tap_conv(
         x.astype(mx.float32), dynamic.astype(mx.float32), base.astype(mx.float32)
     )
     if tuple(got.shape) != tuple(want.shape) or got.dtype != want.dtype:

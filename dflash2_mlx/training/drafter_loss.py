@@ -1,0 +1,139 @@
+"""The drafter's training forward and loss.
+
+Blocks are run through ``Drafter.train_forward`` on the frozen target's features; the loss is
+the row-weighted cross-entropy (optionally partly against the target's own distribution) plus,
+for DFlash 2, the selector's cross-entropy over each row's top-k candidates given the true
+predecessor. The metrics include the acceptance a greedy cycle would get on these blocks.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import mlx.core as mx
+import mlx.nn as nn
+
+from dflash2_mlx.models.drafter import Drafter
+from dflash2_mlx.models.selector import top_k_candidates
+from dflash2_mlx.training.drafter_training_config import DrafterTrainingConfig
+
+__all__ = [
+    "block_target_logits",
+    "drafter_loss",
+    "forward_blocks",
+    "leading_run",
+    "selector_scores",
+    "summarize",
+]
+
+
+def forward_blocks(drafter: Drafter, embed, features: mx.array, blocks: mx.array, anchors: mx.array) -> mx.array:
+    """Final-normed hidden rows [n*N, B, H] of N blocks for each of n sequences.
+
+    features [n, S, T*H] (frozen target taps), blocks [n, N, B] token ids, anchors [n, N].
+    One ``train_forward`` per sequence: each block sees its own context prefix and itself only.
+    """
+    scale = drafter.config.input_embedding_scale
+    out = []
+    for j in range(blocks.shape[0]):
+        embeds = embed(blocks[j]) * scale if scale != 1.0 else embed(blocks[j])
+        out.append(drafter.train_forward(embeds, mx.stop_gradient(features[j : j + 1]), anchors[j]))
+    return mx.concatenate(out, axis=0)
+
+
+def block_target_logits(lm_head, final: mx.array, anchors: mx.array, block_size: int) -> mx.array:
+    """The target's logits [n*N, B-1, V] for the scored rows of blocks at ``anchors`` [n, N].
+
+    ``final`` [n, S, H]: the target's final-normed last hidden states of the n sequences. Row i
+    (1..B-1) predicts position a + i, which the target predicts from position a + i - 1.
+    """
+    positions = anchors[..., None] + mx.arange(block_size - 1)  # [n, N, B-1]
+    rows = final[mx.arange(final.shape[0])[:, None, None], positions]  # [n, N, B-1, H]
+    return lm_head(rows.reshape(-1, block_size - 1, rows.shape[-1]))
+
+
+def selector_scores(
+    selector, hidden: mx.array, candidates: mx.array, unary: mx.array, predecessors: mx.array
+) -> mx.array:
+    """Teacher-forced pair scores [M, R, k]: row i's candidates after the true token of row i-1."""
+    left = selector.predecessor_codebook[predecessors] * selector.hidden_projection(hidden)  # [M, R, r]
+    right = selector.successor_codebook[candidates]  # [M, R, k, r]
+    return unary + (right @ left[..., None])[..., 0]
+
+
+def leading_run(correct: mx.array) -> mx.array:
+    """Per block, how many leading rows are right: the accepted count of a greedy cycle."""
+    return mx.cumprod(correct.astype(mx.float32), axis=-1).sum(axis=-1)
+
+
+def drafter_loss(
+    drafter: Drafter,
+    lm_head,
+    hidden: mx.array,
+    labels: mx.array,
+    predecessors: mx.array,
+    weights: mx.array,
+    config: DrafterTrainingConfig,
+    target_logits: Optional[mx.array] = None,
+) -> tuple[mx.array, dict[str, mx.array]]:
+    """(total loss, metrics) from the block hidden rows [M, B, H] (row 0 = anchor, not scored).
+
+    ``target_logits`` [M, B-1, V]: the frozen target's logits for the rows' positions; with
+    ``config.soft_target_weight`` > 0 that share of each row's cross-entropy is taken against
+    the target's softmax instead of the label (metric ``soft``: that soft cross-entropy).
+
+    metrics: ce, sel (selector loss), acc (drafter top-1), sel_acc (selector top-1 with the true
+    predecessor), hit (label within the top-k: the rows the selector loss counts), tau / tau_top1
+    (1 + leading correct rows: the acceptance length a greedy cycle would get on these blocks,
+    with / without the selector). Every metric is a distinct array and the total is not among
+    them (mx.compile of a gradient fails on duplicated outputs; ``summarize`` adds both back).
+    """
+    h = hidden[:, 1:]
+    logits = drafter.logits(h, lm_head)  # [M, R, V]
+    ce = nn.losses.cross_entropy(logits, labels, reduction="none")  # [M, R]
+    soft = None
+    if target_logits is not None and config.soft_target_weight > 0:
+        teacher = mx.softmax(mx.stop_gradient(target_logits).astype(mx.float32), axis=-1)
+        soft = -(teacher * nn.log_softmax(logits, axis=-1)).sum(axis=-1)  # [M, R]
+        ce = (1.0 - config.soft_target_weight) * ce + config.soft_target_weight * soft
+    ce_loss = (ce * weights).sum(axis=-1).mean()
+    top1 = mx.argmax(logits, axis=-1) == labels
+    metrics = {"ce": ce_loss, "acc": top1.astype(mx.float32).mean(), "tau_top1": 1.0 + leading_run(top1).mean()}
+    if soft is not None:
+        metrics["soft"] = (soft * weights).sum(axis=-1).mean()
+    total = ce_loss
+    if drafter.config.is_dflash2:
+        sel = drafter.candidate_selector
+        detached = mx.stop_gradient(logits)
+        candidates, unary = top_k_candidates(detached, sel.top_k)
+        if config.selector_grad_to_drafter:
+            unary = mx.take_along_axis(logits, candidates, axis=-1)
+            sel_hidden = h
+        else:
+            sel_hidden = mx.stop_gradient(h)
+        scores = selector_scores(sel, sel_hidden, candidates, unary, predecessors)
+        hit = candidates == labels[..., None]
+        valid = hit.any(axis=-1)
+        index = mx.argmax(hit.astype(mx.int32), axis=-1)
+        chosen = mx.argmax(scores, axis=-1)
+        right = valid & (chosen == index)
+        metrics.update(
+            sel_acc=right.astype(mx.float32).mean(),
+            hit=valid.astype(mx.float32).mean(),
+            tau=1.0 + leading_run(right).mean(),
+        )
+        if config.selector:
+            sce = nn.losses.cross_entropy(scores, index, reduction="none")
+            w = weights * valid.astype(mx.float32)
+            sel_loss = (sce * w).sum() / mx.maximum(w.sum(), 1e-6)
+            total = total + config.selector_loss_weight * sel_loss
+            metrics["sel"] = sel_loss
+    return total, metrics
+
+
+def summarize(metrics: dict[str, float], config: DrafterTrainingConfig) -> dict[str, float]:
+    """Metrics as floats with the total loss and tau (DFlash 1: the top-1 walk) filled in."""
+    m = dict(metrics)
+    m["loss"] = m["ce"] + (config.selector_loss_weight * m["sel"] if "sel" in m else 0.0)
+    m.setdefault("tau", m["tau_top1"])
+    return m
