@@ -28,11 +28,13 @@ import sys
 import time
 from pathlib import Path
 
+import dflash2_mlx  # noqa: F401  (OpenBLAS before mlx.core)
+
+# isort: split
 import mlx.core as mx
 from harness import load_pair, write_report
 from mlx.utils import tree_flatten
 
-import dflash2_mlx  # noqa: F401  (OpenBLAS before mlx.core)
 from dflash2_mlx.decoding.batched_verify import VerifyRequest, step_together, verify_batch, verify_one
 from dflash2_mlx.engine import GenerationSettings, collect, generate_speculative, prefill, speculative_steps
 

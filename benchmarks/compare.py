@@ -40,9 +40,10 @@ from pathlib import Path
 from typing import Callable, Iterable, Optional
 from unittest import mock
 
-import mlx.core as mx
-
 import dflash2_mlx  # noqa: F401  (OpenBLAS before mlx.core)
+
+# isort: split
+import mlx.core as mx
 
 
 @dataclass

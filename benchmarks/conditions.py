@@ -33,6 +33,8 @@ from pathlib import Path
 
 import dflash2_mlx  # noqa: F401  (OpenBLAS before mlx.core)
 
+# isort: split
+
 MODES = ("plain", "2", "4", "8", "auto")
 
 

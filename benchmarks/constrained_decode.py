@@ -33,6 +33,8 @@ from harness import load_pair, write_report
 
 import dflash2_mlx  # noqa: F401  (OpenBLAS before mlx.core)
 
+# isort: split
+
 SCHEMA = {
     "type": "object",
     "properties": {

@@ -39,11 +39,12 @@ import time
 from pathlib import Path
 from typing import Callable
 
+import dflash2_mlx  # noqa: F401  (OpenBLAS before mlx.core)
+
+# isort: split
 import mlx.core as mx
 import mlx.nn as nn
 from harness import write_report
-
-import dflash2_mlx  # noqa: F401  (OpenBLAS before mlx.core)
 
 # Anchors (../shared/reference/anchors.md): published acceptance length, Mac plain decoding.
 PUBLISHED_ACCEPTANCE = 4.80

@@ -31,6 +31,8 @@ from pathlib import Path
 
 import dflash2_mlx  # noqa: F401  (OpenBLAS before mlx.core)
 
+# isort: split
+
 sys.path.insert(0, str(Path(__file__).parent))
 from constrained_decode import SCHEMA  # noqa: E402
 from harness import load_pair, write_report  # noqa: E402

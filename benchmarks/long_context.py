@@ -24,6 +24,8 @@ from harness import load_pair
 
 import dflash2_mlx  # noqa: F401  (OpenBLAS before mlx.core)
 
+# isort: split
+
 
 def held_out_tokens(tokenizer, count: int) -> list[int]:
     from dflash2_mlx.training import corpus

@@ -22,6 +22,8 @@ from pathlib import Path
 
 import dflash2_mlx  # noqa: F401  (OpenBLAS before mlx.core)
 
+# isort: split
+
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])

@@ -21,6 +21,8 @@ from pathlib import Path
 
 import dflash2_mlx  # noqa: F401  (the optimised BLAS before mlx.core)
 
+# isort: split
+
 # Requests with long answers: a short one ("What is the capital of France?") ends after ~8 tokens,
 # too few to time decoding.
 PROMPTS = [

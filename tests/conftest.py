@@ -13,10 +13,11 @@ os.environ["DFLASH2_PROMPT_CACHE_DIR"] = "none"
 os.environ["DFLASH2_MLX_GGUF_CACHE"] = tempfile.mkdtemp(prefix="dflash2-gguf-cache-")
 atexit.register(shutil.rmtree, os.environ["DFLASH2_MLX_GGUF_CACHE"], ignore_errors=True)
 
+import dflash2_mlx  # noqa: F401  (first: loads OpenBLAS before mlx.core, as users get it)
+
+# isort: split
 import mlx.core as mx
 import pytest
-
-import dflash2_mlx  # noqa: F401  (first: loads OpenBLAS before mlx.core, as users get it)
 
 sys.path.insert(0, str(Path(__file__).parent))
 

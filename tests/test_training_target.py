@@ -11,10 +11,12 @@ import os
 import subprocess
 import sys
 
+import dflash2_mlx  # noqa: F401  (OpenBLAS before mlx.core, when this file runs first)
+
+# isort: split
 import mlx.core as mx
 import pytest
 
-import dflash2_mlx  # noqa: F401  (OpenBLAS before mlx.core, when this file runs first)
 from dflash2_mlx.training import corpus, demo_metrics, demo_plan
 from dflash2_mlx.training import target_trainer as tt
 from dflash2_mlx.training import tokenizer as tk
