@@ -221,7 +221,7 @@ def test_fuzzed_responses_requests_never_get_a_500(qwen_app):
     from hypothesis import HealthCheck, given, settings
     from hypothesis import strategies as st
 
-    scalars = st.one_of(st.none(), st.booleans(), st.integers(-(2**70), 2**70), st.floats(allow_nan=False),
+    scalars = st.one_of(st.none(), st.booleans(), st.integers(-(2**70), 2**70), st.floats(allow_nan=False, allow_infinity=False),
                         st.text(max_size=12))
     nested = st.recursive(scalars, lambda inner: st.one_of(st.lists(inner, max_size=3),
                                                            st.dictionaries(st.text(max_size=8), inner, max_size=3)),

@@ -534,7 +534,7 @@ def test_fuzzed_requests_never_get_a_500(qwen_apps):
 
     c = qwen_apps["plain"]
     scalars = st.one_of(st.none(), st.booleans(), st.integers(min_value=-(2**80), max_value=2**80),
-                        st.floats(allow_nan=False), st.text(max_size=20))
+                        st.floats(allow_nan=False, allow_infinity=False), st.text(max_size=20))
     nested = st.recursive(scalars, lambda inner: st.one_of(st.lists(inner, max_size=3),
                                                            st.dictionaries(st.text(max_size=8), inner, max_size=3)),
                           max_leaves=8)
