@@ -27,6 +27,7 @@ from .batch_switch import BatchSwitch
 from .errors import APIError, context_overflow
 from .metrics import Metrics
 from .scheduler import RoundRobin
+from .stall_trace import StallTrace, threshold_from_env
 
 log = logging.getLogger("dflash2_mlx.server")
 
@@ -66,6 +67,8 @@ class Active:
     events: Iterator  # the engine's generator; next() runs one step
     started: float  # perf_counter() at admission
     ttft: Optional[float] = None
+    steps: int = 0  # steps taken so far (the first one opens the generation: prefix lookup, prefill)
+    last_step: str = ""  # what the last step was, for the stall trace
 
 
 class Worker:
@@ -114,6 +117,7 @@ class Worker:
         self.metrics.queue_depth = self.queue_depth
         self.metrics.active_requests = self.active_requests
         self.metrics.state = lambda: self.state
+        self.stall_trace = StallTrace(threshold_from_env())  # DFLASH2_MLX_TRACE_STALLS: log slow turns
 
     # ---- called from the event loop -----------------------------------------------------------
 
@@ -215,7 +219,13 @@ class Worker:
                             job.stop("shutdown")
             with self._cond:  # a round: one step of every active job (off: of one, in turn)
                 group = self._active.next_group(1 if self.batch_switch.mode == "off" else len(self._active))
-            for active, done in zip(group, self._step_group(group)):
+            self.stall_trace.begin()
+            uncalibrated = self._uncalibrated() if self.stall_trace.enabled else set()
+            ended = self._step_group(group)
+            if self.stall_trace.enabled:
+                calibrated = uncalibrated - self._uncalibrated()
+                self.stall_trace.end([self._describe(a, calibrated) for a in group])
+            for active, done in zip(group, ended):
                 with self._cond:
                     (self._active.finished if done else self._active.requeue)(active)
                     idle = not self._queue and not len(self._active)
@@ -272,10 +282,27 @@ class Worker:
             disk = open_disk_cache(self.prompt_cache_dir, self.prompt_cache_bytes, self.target, self.drafter)
         if self.prefix_cache_bytes > 0 or disk is not None:
             self.prefix_cache = PrefixCache(max_bytes=self.prefix_cache_bytes, disk=disk)
+        if self.drafter is not None and self.block_size is None:
+            self._calibrate()
         freeze_loaded_objects()  # the loaded models live as long as the server
         mx.clear_cache()
         self.metrics.baseline_memory = mx.get_active_memory()
         self._refresh_gauges()
+
+    def _calibrate(self) -> None:
+        """Time the pair's greedy cycles now, while loading, and let sampled decoding start from
+        those costs (its cycles refine them): the break-even controller would otherwise calibrate
+        inside a request's first step, greedy or sampled, and every request beside it would wait
+        seconds (the stall of issue 32: a first sampled request beside a greedy stream)."""
+        from dflash2_mlx.controller import ensure_calibrated, profile_for
+        from dflash2_mlx.sampling import SamplingSettings
+
+        t0 = time.perf_counter()
+        ensure_calibrated(self.target.runner, self.drafter, SamplingSettings())
+        profile = profile_for(self.target.runner.model, self.drafter)
+        if not profile.cost_table(greedy=False).calibrated:
+            profile.cost_table(greedy=False).start_from(profile.cost_table(greedy=True))
+        log.info("block-size controller calibrated in %.1f s", time.perf_counter() - t0)
 
     def _admit(self, job: Job) -> Optional[Active]:
         """Open the job's generation (nothing runs yet); None when it ended already."""
@@ -329,6 +356,8 @@ class Worker:
     def _handle(self, active: Active, step) -> bool:
         """Hand a job's step (``batched_verify.Step``) over; True when the job has ended."""
         job = active.job
+        active.steps += 1
+        active.last_step = _step_kind(step)
         if step.error is not None:
             active.events.close()
             self._fail(job, step.error)
@@ -349,6 +378,25 @@ class Worker:
             job.emit("end")
             return True
         return False
+
+    def _uncalibrated(self) -> set[str]:
+        """The kinds of decoding ("greedy", "sampled") whose cycle costs the pair has not timed yet."""
+        if self.drafter is None:
+            return set()
+        from dflash2_mlx.controller import profile_for
+
+        profile = profile_for(self.target.runner.model, self.drafter)
+        return {kind for kind, greedy in (("greedy", True), ("sampled", False))
+                if not profile.cost_table(greedy).calibrated}
+
+    @staticmethod
+    def _describe(active: Active, calibrated: set[str]) -> str:
+        """One phrase for the stall trace: which request took which step."""
+        what = active.last_step
+        if active.steps == 1:
+            what = f"its first step ({what}; prefix-cache lookup and policy set-up"
+            what += f"; calibrated the pair's {' and '.join(sorted(calibrated))} cycle costs)" if calibrated else ")"
+        return f"request {active.job.id} {what}"
 
     def _fail(self, job: Job, e: Exception) -> None:
         """End a job on an exception from the engine: the client's fault is a 400, ours a 500."""
@@ -393,6 +441,18 @@ class Worker:
                 m.prefix_cache_disk_hits, m.prefix_cache_too_large = pc.disk_hits, pc.too_large
                 if pc.disk is not None:
                     m.prompt_cache_disk_bytes, m.prompt_cache_disk_entries = pc.disk.nbytes, len(pc.disk)
+
+
+def _step_kind(step) -> str:
+    """What a ``batched_verify.Step`` was: a decode cycle, a prefill chunk, the end or a failure."""
+    if step.error is not None:
+        return f"a failed step ({type(step.error).__name__})"
+    event = step.event
+    if event is None or event.stats is not None:
+        return "its last step"
+    if event.accepted is not None:
+        return f"a cycle of {len(event.tokens)} tokens"
+    return "a prefill chunk" if not event.tokens else f"a step of {len(event.tokens)} tokens"
 
 
 def _generation_defaults(path: Path) -> dict:
