@@ -54,6 +54,7 @@ class StallTrace:
         self._gc_passes = 0
         self._turn_started: Optional[float] = None
         self._cpu_started = 0.0  # the worker thread's CPU time when the turn began
+        self._process_cpu_started = 0.0  # the whole process's (MLX's CPU backend computes on its own threads)
         if threshold is not None:
             gc.callbacks.append(self._on_gc)
 
@@ -83,6 +84,7 @@ class StallTrace:
             self._gc_seconds, self._gc_passes = 0.0, 0
             self._turn_started = time.perf_counter()
             self._cpu_started = time.thread_time()
+            self._process_cpu_started = time.process_time()
 
     def end(self, what: list[str]) -> Optional[float]:
         """The turn that ``begin`` started has ended, having run ``what`` (one phrase per step);
@@ -90,14 +92,16 @@ class StallTrace:
         if not self.enabled or self._turn_started is None:
             return None
         seconds = time.perf_counter() - self._turn_started
-        # CPU time of this thread's Python and of MLX's work on it; far below the wall time, the
-        # thread was waiting (for the GIL held by another thread, for the disk, or for a CPU core)
+        # CPU time of this thread (its Python) and of the process (MLX's CPU backend computes on
+        # its own threads): a process far below the wall time was waiting, for the disk or for a
+        # CPU core the machine gave to someone else
         cpu = time.thread_time() - self._cpu_started
+        process_cpu = time.process_time() - self._process_cpu_started
         self._turn_started = None
         self.slowest = max(self.slowest, seconds)
         if seconds >= self.threshold:
             self.slow_turns += 1
-            log.warning("stall: a scheduler turn took %.3f s (worker thread CPU %.3f s): %s; "
-                        "garbage collector %.3f s in %d passes", seconds, cpu, "; ".join(what) or "nothing",
-                        self._gc_seconds, self._gc_passes)
+            log.warning("stall: a scheduler turn took %.3f s (CPU: worker thread %.3f s, process %.3f s): %s; "
+                        "garbage collector %.3f s in %d passes", seconds, cpu, process_cpu,
+                        "; ".join(what) or "nothing", self._gc_seconds, self._gc_passes)
         return seconds
