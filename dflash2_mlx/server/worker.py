@@ -30,6 +30,7 @@ from .scheduler import RoundRobin
 from .stall_trace import StallTrace, threshold_from_env
 
 log = logging.getLogger("dflash2_mlx.server")
+GAUGE_REFRESH = 5.0  # seconds: memory and prefix-cache gauges are refreshed at idle, and this often under load
 
 
 @dataclass
@@ -106,6 +107,7 @@ class Worker:
         self._queue: deque[Job] = deque()
         self._active: RoundRobin[Active] = RoundRobin(max_concurrent)  # changed under _cond
         self._clear_requested = False
+        self._gauges_refreshed = 0.0  # time.monotonic() of the last _refresh_gauges
         self._thread = threading.Thread(target=self._run, name="dflash2-generation", daemon=True)
         # Set once loaded (read by request handlers, never mutated afterwards).
         self.target = self.drafter = self.tokenizer = None
@@ -231,6 +233,8 @@ class Worker:
                     idle = not self._queue and not len(self._active)
                 if idle:
                     self._release_memory()
+            if time.monotonic() - self._gauges_refreshed > GAUGE_REFRESH:  # busy for long: /metrics stays current
+                self._refresh_gauges()
         if self.prefix_cache is not None and self.prefix_cache.disk is not None:
             self.prefix_cache.disk.flush(timeout=10)  # snapshots still queued reach the disk
 
@@ -432,6 +436,7 @@ class Worker:
         import mlx.core as mx
 
         m, pc = self.metrics, self.prefix_cache
+        self._gauges_refreshed = time.monotonic()
         with m.lock:
             m.active_memory = mx.get_active_memory()
             m.peak_memory = mx.get_peak_memory()
