@@ -103,3 +103,20 @@ def test_turns_are_not_timed_when_the_trace_is_off(caplog):
         assert trace.end(["request r1 a cycle of 5 tokens"]) is None
     assert not caplog.records
     assert trace._on_gc not in gc.callbacks
+
+
+def test_the_trace_names_each_request_and_its_kind_of_step():
+    from dflash2_mlx.batched_verify import Step
+    from dflash2_mlx.engine import GenerationEvent
+    from dflash2_mlx.server.worker import Active, Job, _step_kind
+
+    assert _step_kind(Step(event=GenerationEvent([4, 5, 6], "abc", accepted=2))) == "a cycle of 3 tokens"
+    assert _step_kind(Step(event=GenerationEvent([], ""))) == "a prefill chunk"
+    assert _step_kind(Step()) == "its last step"
+    assert _step_kind(Step(error=ValueError("x"))) == "a failed step (ValueError)"
+    job = Job("req_1", [1, 2], None, [], loop=None, deadline=0.0)
+    first = Active(job, iter(()), 0.0, steps=1, last_step="a prefill chunk")
+    assert Worker._describe(first, {"greedy"}) == ("request req_1 its first step (a prefill chunk; prefix-cache lookup "
+                                                   "and policy set-up; calibrated the pair's greedy cycle costs)")
+    later = Active(job, iter(()), 0.0, steps=5, last_step="a cycle of 3 tokens")
+    assert Worker._describe(later, set()) == "request req_1 a cycle of 3 tokens"
