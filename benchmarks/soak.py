@@ -383,8 +383,9 @@ def main() -> int:
     report = {"setup": {k: v for k, v in vars(args).items()}, "target": target, "drafter": drafter,
               "minutes": rows, "samples": samples, "by_kind": _by_kind(results),
               "checks": [{"check": c, "passed": p, "detail": d} for c, p, d in verdicts],
+              "slowest": [asdict(r) for r in sorted(results, key=lambda r: -r.seconds)[:10]],
               "failures": [asdict(r) for r in results if _unexpected(r) or (r.expect_4xx and not 400 <= r.status < 500)][:50],
-              "server_log_tail": server_log[-3000:] if tracebacks else ""}
+              "server_log_tail": server_log[-3000:] if tracebacks or exit_code != 0 else ""}
     Path(args.out).write_text(json.dumps(report, indent=2))
     print(markdown(rows))
     print()
