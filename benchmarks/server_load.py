@@ -290,8 +290,9 @@ def _report(args, report: dict) -> int:
         return 0 if ok else 1
     if sdl:
         print(f"16-token requests during 1500-token streams (default settings): {sdl['trials']} trials over "
-              f"{sdl['long_streams']} streams, p50 {sdl['p50_s']:.3f} s, p99 {sdl['p99_s']:.3f} s, max {sdl['max_s']:.3f} s "
-              f"(solo median {sdl['solo_median_s']:.3f} s); p99 <= 3x solo + 0.5 s: {sdl['p99_within_3x_solo_plus_0.5s']}; "
+              f"{sdl['long_streams']} streams, p50 {sdl['p50_s']:.3f} s, p99 {sdl['p99_s']:.3f} s, "
+              f"max {sdl['max_s']:.3f} s (solo median {sdl['solo_median_s']:.3f} s); "
+              f"p99 <= 3x solo + 0.5 s: {sdl['p99_within_3x_solo_plus_0.5s']}; "
               f"max <= 2 s: {sdl['max_within_2s']}")
         for line in sdl["slow_turns"]["slowest"]:
             print(f"  slow server turn: {line}")

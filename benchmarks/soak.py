@@ -5,8 +5,9 @@ temporary directory, with small --prompt-cache-gb and --prefix-cache-gb budgets)
 127.0.0.1 and sends, from --clients concurrent clients for --minutes: chat requests, streams,
 json_schema answers, forced tool calls, Anthropic and Responses requests (plain and streamed),
 malformed requests (each must be answered 4xx), clients that disconnect mid-stream, bursts above
---max-concurrent (plus the queue), and the same long system prompt again and again. It stops by
-itself: at the time limit, or after --max-requests requests.
+--max-concurrent plus the queue (429 answers, to them or to anyone while the queue is full, are
+intended), and the same long system prompt again and again. It stops by itself: at the time
+limit, or after --max-requests requests.
 
 Per minute it reports requests and errors by status, p50 and p99 latency, the server's resident
 memory (VmRSS), open file descriptors and threads (from /proc), and the prompt-cache bytes in
@@ -154,14 +155,15 @@ class Traffic:
             else:
                 async with client.stream("POST", path, **kw) as r:
                     status = r.status_code
-                    async for line in r.aiter_lines():
-                        if disconnect and line.startswith("data:"):
-                            break  # the client goes away mid-stream: closing the response drops the connection
-                        if line.startswith("event: error") or (line.startswith("data:") and '"error"' in line[:40]):
-                            stream_error, note = True, line[:200]
-                    if status >= 400:
+                    if status >= 400:  # refused before streaming: a JSON error body
                         note = (await r.aread())[:200].decode(errors="replace")
-        except httpx.HTTPError as e:
+                    else:
+                        async for line in r.aiter_lines():
+                            if disconnect and line.startswith("data:"):
+                                break  # the client goes away mid-stream: closing the response drops the connection
+                            if line.startswith("event: error") or (line.startswith("data:") and '"error"' in line[:40]):
+                                stream_error, note = True, line[:200]
+        except (httpx.HTTPError, httpx.StreamError) as e:
             note = f"{type(e).__name__}: {e}"[:200]
         if expect_4xx and not 400 <= status < 500:
             note = f"{path} {str(body)[:150]} -> {note or status}"
@@ -279,7 +281,8 @@ def per_minute(results: list[Result], samples: list[dict]) -> list[dict]:
             "p99_s": round(pct(latencies, 0.99), 3) if latencies else None,
             "rss_mb": round(last["rss_bytes"] / 2**20, 1) if "rss_bytes" in last else None,
             "fds": last.get("fds"), "threads": last.get("threads"),
-            "prefix_cache_mb": _mb(last.get("prefix_cache_bytes")), "disk_cache_mb": _mb(last.get("prompt_cache_disk_bytes")),
+            "prefix_cache_mb": _mb(last.get("prefix_cache_bytes")),
+            "disk_cache_mb": _mb(last.get("prompt_cache_disk_bytes")),
         })
     return rows
 
@@ -290,16 +293,17 @@ def _mb(n) -> float | None:
 
 def _unexpected(r: Result) -> bool:
     """An error that is not the point of the request: a failed connection, a 5xx, a stream error,
-    a 4xx to a well-formed request other than a burst's 429 (the queue was full, as it should be)."""
+    a 4xx to a well-formed request other than 429 (the queue was full, as the bursts make it)."""
     if r.status == 0 and r.kind != "disconnect":
         return True
     if r.status >= 500 or r.stream_error:
         return True
-    return 400 <= r.status < 500 and not r.expect_4xx and not (r.kind == "burst" and r.status == 429)
+    return 400 <= r.status < 500 and not r.expect_4xx and r.status != 429
 
 
 def markdown(rows: list[dict]) -> str:
-    head = "| minute | requests | by status | errors | p50 s | p99 s | RSS MB | fds | threads | prefix cache MB | disk cache MB |"
+    head = ("| minute | requests | by status | errors | p50 s | p99 s | RSS MB | fds | threads "
+            "| prefix cache MB | disk cache MB |")
     lines = [head, "|" + "|".join("---" for _ in range(11)) + "|"]
     for r in rows:
         status = " ".join(f"{k}:{v}" for k, v in r["by_status"].items())
@@ -313,7 +317,8 @@ def checks(args, results: list[Result], samples: list[dict]) -> list[tuple[str, 
     out = []
     server_errors = [r for r in results if r.status >= 500 or r.stream_error]
     out.append(("no 5xx responses", not server_errors,
-                f"{len(server_errors)} of {len(results)}" + (f"; first: {server_errors[0].note}" if server_errors else "")))
+                f"{len(server_errors)} of {len(results)}"
+                + (f"; first: {server_errors[0].note}" if server_errors else "")))
     malformed = [r for r in results if r.expect_4xx]
     wrong = [r for r in malformed if not 400 <= r.status < 500]
     out.append(("every malformed request answered 4xx", bool(malformed) and not wrong,
@@ -353,7 +358,8 @@ def main() -> int:
     ap.add_argument("--clients", type=int, default=4, help="concurrent client loops")
     ap.add_argument("--max-concurrent", type=int, default=2, help="the server's --max-concurrent")
     ap.add_argument("--max-queue", type=int, default=4, help="the server's --max-queue")
-    ap.add_argument("--burst-every", type=float, default=60.0, help="seconds between bursts above the server's capacity")
+    ap.add_argument("--burst-every", type=float, default=60.0,
+                    help="seconds between bursts above the server's capacity")
     ap.add_argument("--prompt-cache-gb", type=float, default=0.02, help="the server's disk prompt-cache budget")
     ap.add_argument("--prefix-cache-gb", type=float, default=0.02, help="the server's in-memory prefix-cache budget")
     ap.add_argument("--request-timeout", type=float, default=120.0)
@@ -384,7 +390,8 @@ def main() -> int:
               "minutes": rows, "samples": samples, "by_kind": _by_kind(results),
               "checks": [{"check": c, "passed": p, "detail": d} for c, p, d in verdicts],
               "slowest": [asdict(r) for r in sorted(results, key=lambda r: -r.seconds)[:10]],
-              "failures": [asdict(r) for r in results if _unexpected(r) or (r.expect_4xx and not 400 <= r.status < 500)][:50],
+              "failures": [asdict(r) for r in results
+                           if _unexpected(r) or (r.expect_4xx and not 400 <= r.status < 500)][:50],
               "server_log_tail": server_log[-3000:] if tracebacks or exit_code != 0 else ""}
     Path(args.out).write_text(json.dumps(report, indent=2))
     print(markdown(rows))
