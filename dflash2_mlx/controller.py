@@ -390,7 +390,7 @@ class BreakEvenController:
 def calibrate(runner, drafter, costs: CostTable, sampling) -> None:
     """Time real cycles of every block size (and plain steps) on a short made-up prompt: the
     costs a pair's first request decides with (medians), until its own cycles refine them."""
-    from .engine import GenerationSettings, collect, generate_speculative
+    from dflash2_mlx.engine import GenerationSettings, collect, generate_speculative
 
     prompt = [(7 * i + 3) % runner.vocab_size for i in range(16)]
     schedule = calibration_schedule(drafter.config.block_size)

@@ -15,16 +15,22 @@ from typing import Generator, Iterator, Optional, Sequence, Union
 
 import mlx.core as mx
 
-from .batched_verify import VerifyRequest, VerifyResult, answer_alone
-from .constrained import Grammar, GrammarState
-from .controller import BlockPolicy, policy_for
-from .drafter import Drafter
-from .prefix_cache import PrefixCache, PrefixEntry
-from .profiling import CycleProfiler
-from .sampling import LogitsProcessor, SamplingSettings, apply_processors, probabilities, rejection_step, sample
-from .target import TargetRunner
-from .text import StopStrings
-
+from dflash2_mlx.caches.prefix import PrefixCache, PrefixEntry
+from dflash2_mlx.constraints.grammar import Grammar, GrammarState
+from dflash2_mlx.decoding.batched_verify import VerifyRequest, VerifyResult, answer_alone
+from dflash2_mlx.decoding.profiling import CycleProfiler
+from dflash2_mlx.decoding.sampling import (
+    LogitsProcessor,
+    SamplingSettings,
+    apply_processors,
+    probabilities,
+    rejection_step,
+    sample,
+)
+from dflash2_mlx.models.drafter import Drafter
+from dflash2_mlx.models.target import TargetRunner
+from dflash2_mlx.policies.block_size import BlockPolicy, policy_for
+from dflash2_mlx.text.stops import StopStrings
 
 UNSEEN_BATCH = 32  # plain steps' feature rows are moved into the drafter's context this many at a time
 

@@ -11,7 +11,7 @@ import random
 
 import pytest
 
-from dflash2_mlx.controller import (
+from dflash2_mlx.policies.block_size import (
     PLAIN,
     BreakEvenController,
     CostTable,

@@ -10,10 +10,10 @@ import logging
 
 import mlx.core as mx
 
-from dflash2_mlx.caches import CacheSnapshot
-from dflash2_mlx.controller import profile_for
-from dflash2_mlx.disk_cache import DiskPrefixCache
-from dflash2_mlx.prefix_cache import PrefixEntry
+from dflash2_mlx.caches.disk import DiskPrefixCache
+from dflash2_mlx.caches.prefix import PrefixEntry
+from dflash2_mlx.caches.target import CacheSnapshot
+from dflash2_mlx.policies.block_size import profile_for
 from dflash2_mlx.server.stall_trace import DEFAULT_THRESHOLD, StallTrace, threshold_from_env
 from dflash2_mlx.server.worker import Worker
 
@@ -106,7 +106,7 @@ def test_turns_are_not_timed_when_the_trace_is_off(caplog):
 
 
 def test_the_trace_names_each_request_and_its_kind_of_step():
-    from dflash2_mlx.batched_verify import Step
+    from dflash2_mlx.decoding.batched_verify import Step
     from dflash2_mlx.engine import GenerationEvent
     from dflash2_mlx.server.worker import Active, Job, _step_kind
 
