@@ -8,11 +8,14 @@ every concurrent output is identical to its solo run. Reports time to first toke
 sending the request to the first content chunk: queue wait included), per-request latency and
 total throughput (completion tokens / wall time) for the solo and concurrent phases. Then, on each
 server, a 16-token request is sent while a 1500-token stream runs: its latency against its solo
-latency, and whether the long stream's text stayed the same.
+latency, and whether the long stream's text stayed the same. First, on a server with default
+settings (disk prompt cache on), ``--stall-trials`` 16-token requests are timed one after another
+during 1500-token streams: their p99 and maximum latency against their solo median (the bar:
+p99 <= 3x solo + 0.5 s, max <= 2 s; ``--stall-only`` runs just that).
 
     python benchmarks/server_load.py [--model M --draft-model D] [--clients 16] [--requests 4]
                                      [--max-tokens 64] [--max-concurrent 1 4] [--repeats 1]
-                                     [--time-limit 900] [--json]
+                                     [--stall-trials 50] [--stall-only] [--time-limit 900] [--json]
 
 Without --model it uses the embedded demo pair when installed, else builds the tests' tiny pair
 (tests/tiny.py) in a temporary directory. Loopback only; the run is bounded by --time-limit.
@@ -24,6 +27,7 @@ import argparse
 import asyncio
 import contextlib
 import json
+import os
 import statistics
 import sys
 import tempfile
@@ -155,6 +159,45 @@ async def short_beside_long(base: str, model: str, no_eos: dict, long_tokens: in
             "within_3x_plus_0.5s": beside["latency"] <= 3 * statistics.median(solo) + 0.5}
 
 
+async def shorts_during_long_streams(base: str, model: str, no_eos: dict, trials: int, long_tokens: int = 1500,
+                                     deadline: float = float("inf")) -> dict:
+    """Short requests (16 tokens, alternately greedy and sampled at temperature 0.7: the first
+    sampled one used to trigger a calibration) sent one after another while 1500-token greedy
+    streams run (a new stream starts when one ends): the p99 and maximum of their latencies over
+    ``trials``, against the median of the same requests sent alone."""
+    short, long_ = "Write a Python function that adds two numbers.", "Write a long Python module for a parser."
+    temperatures = [0.0, 0.7]
+    async with httpx.AsyncClient(base_url=base, timeout=httpx.Timeout(600.0)) as client:
+        solo = []
+        for i in range(10):
+            r = await stream_one(client, model, short, 16, logit_bias=no_eos, temperature=temperatures[i % 2])
+            solo.append(r["latency"])
+        solo = solo[2:]  # the first of each kind warms up
+        beside: list[float] = []
+        by_temperature: dict[float, list[float]] = {t: [] for t in temperatures}
+        long_streams = 0
+        while len(beside) < trials and time.perf_counter() < deadline:
+            long_task = asyncio.create_task(stream_one(client, model, long_, long_tokens, logit_bias=no_eos))
+            long_streams += 1
+            await asyncio.sleep(0.3)  # the stream is decoding
+            while not long_task.done() and len(beside) < trials and time.perf_counter() < deadline:
+                r = await stream_one(client, model, short, 16, logit_bias=no_eos,
+                                     temperature=temperatures[len(beside) % 2])
+                if not long_task.done():  # counts only if the stream was running all along
+                    by_temperature[temperatures[len(beside) % 2]].append(r["latency"])
+                    beside.append(r["latency"])
+                await asyncio.sleep(0.05)
+            await long_task
+    median = statistics.median(solo)
+    p99, worst = pct(beside, 0.99), max(beside) if beside else float("nan")
+    return {"trials": len(beside), "long_streams": long_streams, "solo_median_s": round(median, 4),
+            "p50_s": round(statistics.median(beside), 4) if beside else None, "p99_s": round(p99, 4),
+            "max_s": round(worst, 4), "p99_within_3x_solo_plus_0.5s": p99 <= 3 * median + 0.5,
+            "max_within_2s": worst <= 2.0,
+            "by_temperature": {str(t): {"p50_s": round(statistics.median(v), 4), "max_s": round(max(v), 4)}
+                               for t, v in by_temperature.items() if v}}
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model")
@@ -166,6 +209,9 @@ def main() -> int:
                     help="one server per value; 1 is one request at a time (the behaviour before the scheduler)")
     ap.add_argument("--repeats", type=int, default=1, help="concurrent phases per server, taking turns")
     ap.add_argument("--no-short-beside-long", action="store_true", help="skip the 16-token-beside-1500 check")
+    ap.add_argument("--stall-trials", type=int, default=50,
+                    help="short requests timed during long streams, on a server with default settings (0: skip)")
+    ap.add_argument("--stall-only", action="store_true", help="run only the short-requests-during-long-streams phase")
     ap.add_argument("--time-limit", type=float, default=900.0, help="seconds for the whole run")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
@@ -177,6 +223,8 @@ def main() -> int:
         n = args.clients * args.requests
         prompts = [f"Write Python code for {PROMPT_TOPICS[i % len(PROMPT_TOPICS)]} (variant {i})." for i in range(n)]
         servers = {}
+        if args.stall_only:
+            args.max_concurrent = []
         for mc in args.max_concurrent:
             serve_args = ["--model", target] + (["--draft-model", drafter] if drafter else ["--no-draft"])
             serve_args += ["--max-queue", str(args.clients * 2), "--request-timeout", str(args.time_limit),
@@ -185,6 +233,21 @@ def main() -> int:
         from mlx_lm.utils import load_tokenizer
 
         no_eos = {str(t): -100 for t in load_tokenizer(Path(target)).eos_token_ids} if Path(target).exists() else {}
+        if args.stall_trials > 0:
+            # default settings (disk prompt cache on, in the temporary directory), as a user runs it
+            serve_args = ["--model", target] + (["--draft-model", drafter] if drafter else ["--no-draft"])
+            serve_args += ["--prompt-cache-dir", str(Path(tmp) / "prompt-cache")]
+            os.environ.setdefault("DFLASH2_MLX_TRACE_STALLS", "0.5")  # the server logs its slow turns
+            with running_server(serve_args, Path(tmp) / "server-defaults.log", nice=False) as srv:
+                report["short_during_long"] = asyncio.run(shorts_during_long_streams(
+                    srv.base, model, no_eos, args.stall_trials, deadline=deadline))
+                slow = [line.split("stall: ", 1)[1] for line in srv.log_text().splitlines() if "stall: " in line]
+                report["short_during_long"]["slow_turns"] = {"count": len(slow), "slowest": sorted(
+                    slow, key=lambda line: -float(line.split(" took ", 1)[1].split(" ", 1)[0]))[:5]}
+                if "Traceback" in srv.log_text():
+                    report["short_during_long"]["server_errors"] = srv.log_text()[-2000:]
+        if not servers:
+            return _report(args, report)
         first = args.max_concurrent[0]  # the solo reference runs once, on the first server
         solo, wall = asyncio.run(solo_runs(servers[first].base, model, prompts, args.max_tokens, deadline))
         report["solo"] = summary(list(solo.values()), wall)
@@ -213,10 +276,27 @@ def main() -> int:
         report["setup"] = {"model": target, "drafter": drafter, "clients": args.clients,
                            "requests_per_client": args.requests, "max_tokens": args.max_tokens,
                            "max_concurrent": args.max_concurrent, "repeats": args.repeats}
+    return _report(args, report)
+
+
+def _report(args, report: dict) -> int:
+    """Print the report (JSON or lines) -> the exit status: 0 when every check passed."""
     ok = all(r["identical_to_solo"] and "server_errors" not in r for r in report["runs"].values())
+    sdl = report.get("short_during_long")
+    if sdl:
+        ok = ok and sdl["p99_within_3x_solo_plus_0.5s"] and sdl["max_within_2s"] and "server_errors" not in sdl
     if args.json:
         print(json.dumps(report, indent=2))
-    else:
+        return 0 if ok else 1
+    if sdl:
+        print(f"16-token requests during 1500-token streams (default settings): {sdl['trials']} trials over "
+              f"{sdl['long_streams']} streams, p50 {sdl['p50_s']:.3f} s, p99 {sdl['p99_s']:.3f} s, "
+              f"max {sdl['max_s']:.3f} s (solo median {sdl['solo_median_s']:.3f} s); "
+              f"p99 <= 3x solo + 0.5 s: {sdl['p99_within_3x_solo_plus_0.5s']}; "
+              f"max <= 2 s: {sdl['max_within_2s']}")
+        for line in sdl["slow_turns"]["slowest"]:
+            print(f"  slow server turn: {line}")
+    if "solo" in report:
         s = report["solo"]
         print(f"solo (reference): {s['requests']} requests in {s['wall_s']:.1f} s, {s['throughput_tok_s']} tok/s, "
               f"TTFT p50 {s['ttft_p50_s'] * 1000:.0f} ms p95 {s['ttft_p95_s'] * 1000:.0f} ms")

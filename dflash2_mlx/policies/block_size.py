@@ -124,6 +124,11 @@ class CostTable:
     def calibrated(self) -> bool:
         return bool(self.seconds)
 
+    def start_from(self, other: "CostTable") -> None:
+        """Take ``other``'s costs as this table's first estimate (its own timed cycles refine them):
+        a server seeds the sampled table from the greedy calibration instead of calibrating twice."""
+        self.seconds = {k: dict(row) for k, row in other.seconds.items()}
+
 
 class PositionAcceptance:
     """Per draft position j: exponentially weighted counts of cycles that tested it (drafts
@@ -434,8 +439,17 @@ def policy_for(runner, drafter, settings) -> BlockPolicy:
     if settings.block_size:
         return FixedBlock(settings.block_size)
     greedy = settings.sampling.greedy
-    profile = profile_for(runner.model, drafter)
-    costs = profile.cost_table(greedy)
-    if not costs.calibrated:
-        calibrate(runner, drafter, costs, settings.sampling)
-    return BreakEvenController(profile, drafter.config.block_size, greedy, settings.sampling.temperature)
+    ensure_calibrated(runner, drafter, settings.sampling)
+    return BreakEvenController(profile_for(runner.model, drafter), drafter.config.block_size, greedy,
+                               settings.sampling.temperature)
+
+
+def ensure_calibrated(runner, drafter, sampling) -> bool:
+    """Calibrate the pair's cycle costs for this kind of sampling (greedy or sampled) unless done
+    already; True if it ran. A server calls it while loading: a calibration takes a few hundred
+    cycles, and run inside a request it would hold up every request beside it."""
+    costs = profile_for(runner.model, drafter).cost_table(sampling.greedy)
+    if costs.calibrated:
+        return False
+    calibrate(runner, drafter, costs, sampling)
+    return True

@@ -27,8 +27,10 @@ from dflash2_mlx.policies.batch_switch import BatchSwitch
 from dflash2_mlx.server.errors import APIError, context_overflow
 from dflash2_mlx.server.metrics import Metrics
 from dflash2_mlx.server.scheduler import RoundRobin
+from dflash2_mlx.server.stall_trace import StallTrace, threshold_from_env
 
 log = logging.getLogger("dflash2_mlx.server")
+GAUGE_REFRESH = 5.0  # seconds: memory and prefix-cache gauges are refreshed at idle, and this often under load
 
 
 @dataclass
@@ -66,6 +68,8 @@ class Active:
     events: Iterator  # the engine's generator; next() runs one step
     started: float  # perf_counter() at admission
     ttft: Optional[float] = None
+    steps: int = 0  # steps taken so far (the first one opens the generation: prefix lookup, prefill)
+    last_step: str = ""  # what the last step was, for the stall trace
 
 
 class Worker:
@@ -103,6 +107,7 @@ class Worker:
         self._queue: deque[Job] = deque()
         self._active: RoundRobin[Active] = RoundRobin(max_concurrent)  # changed under _cond
         self._clear_requested = False
+        self._gauges_refreshed = 0.0  # time.monotonic() of the last _refresh_gauges
         self._thread = threading.Thread(target=self._run, name="dflash2-generation", daemon=True)
         # Set once loaded (read by request handlers, never mutated afterwards).
         self.target = self.drafter = self.tokenizer = None
@@ -114,6 +119,7 @@ class Worker:
         self.metrics.queue_depth = self.queue_depth
         self.metrics.active_requests = self.active_requests
         self.metrics.state = lambda: self.state
+        self.stall_trace = StallTrace(threshold_from_env())  # DFLASH2_MLX_TRACE_STALLS: log slow turns
 
     # ---- called from the event loop -----------------------------------------------------------
 
@@ -215,12 +221,20 @@ class Worker:
                             job.stop("shutdown")
             with self._cond:  # a round: one step of every active job (off: of one, in turn)
                 group = self._active.next_group(1 if self.batch_switch.mode == "off" else len(self._active))
-            for active, done in zip(group, self._step_group(group)):
+            self.stall_trace.begin()
+            uncalibrated = self._uncalibrated() if self.stall_trace.enabled else set()
+            ended = self._step_group(group)
+            if self.stall_trace.enabled:
+                calibrated = uncalibrated - self._uncalibrated()
+                self.stall_trace.end([self._describe(a, calibrated) for a in group])
+            for active, done in zip(group, ended):
                 with self._cond:
                     (self._active.finished if done else self._active.requeue)(active)
                     idle = not self._queue and not len(self._active)
                 if idle:
                     self._release_memory()
+            if time.monotonic() - self._gauges_refreshed > GAUGE_REFRESH:  # busy for long: /metrics stays current
+                self._refresh_gauges()
         if self.prefix_cache is not None and self.prefix_cache.disk is not None:
             self.prefix_cache.disk.flush(timeout=10)  # snapshots still queued reach the disk
 
@@ -273,10 +287,27 @@ class Worker:
             disk = open_disk_cache(self.prompt_cache_dir, self.prompt_cache_bytes, self.target, self.drafter)
         if self.prefix_cache_bytes > 0 or disk is not None:
             self.prefix_cache = PrefixCache(max_bytes=self.prefix_cache_bytes, disk=disk)
+        if self.drafter is not None and self.block_size is None:
+            self._calibrate()
         freeze_loaded_objects()  # the loaded models live as long as the server
         mx.clear_cache()
         self.metrics.baseline_memory = mx.get_active_memory()
         self._refresh_gauges()
+
+    def _calibrate(self) -> None:
+        """Time the pair's greedy cycles now, while loading, and let sampled decoding start from
+        those costs (its cycles refine them): the break-even controller would otherwise calibrate
+        inside a request's first step, greedy or sampled, and every request beside it would wait
+        seconds (the stall of issue 32: a first sampled request beside a greedy stream)."""
+        from dflash2_mlx.decoding.sampling import SamplingSettings
+        from dflash2_mlx.policies.block_size import ensure_calibrated, profile_for
+
+        t0 = time.perf_counter()
+        ensure_calibrated(self.target.runner, self.drafter, SamplingSettings())
+        profile = profile_for(self.target.runner.model, self.drafter)
+        if not profile.cost_table(greedy=False).calibrated:
+            profile.cost_table(greedy=False).start_from(profile.cost_table(greedy=True))
+        log.info("block-size controller calibrated in %.1f s", time.perf_counter() - t0)
 
     def _admit(self, job: Job) -> Optional[Active]:
         """Open the job's generation (nothing runs yet); None when it ended already."""
@@ -329,6 +360,8 @@ class Worker:
     def _handle(self, active: Active, step) -> bool:
         """Hand a job's step (``batched_verify.Step``) over; True when the job has ended."""
         job = active.job
+        active.steps += 1
+        active.last_step = _step_kind(step)
         if step.error is not None:
             active.events.close()
             self._fail(job, step.error)
@@ -349,6 +382,25 @@ class Worker:
             job.emit("end")
             return True
         return False
+
+    def _uncalibrated(self) -> set[str]:
+        """The kinds of decoding ("greedy", "sampled") whose cycle costs the pair has not timed yet."""
+        if self.drafter is None:
+            return set()
+        from dflash2_mlx.policies.block_size import profile_for
+
+        profile = profile_for(self.target.runner.model, self.drafter)
+        return {kind for kind, greedy in (("greedy", True), ("sampled", False))
+                if not profile.cost_table(greedy).calibrated}
+
+    @staticmethod
+    def _describe(active: Active, calibrated: set[str]) -> str:
+        """One phrase for the stall trace: which request took which step."""
+        what = active.last_step
+        if active.steps == 1:
+            what = f"its first step ({what}; prefix-cache lookup and policy set-up"
+            what += f"; calibrated the pair's {' and '.join(sorted(calibrated))} cycle costs)" if calibrated else ")"
+        return f"request {active.job.id} {what}"
 
     def _fail(self, job: Job, e: Exception) -> None:
         """End a job on an exception from the engine: the client's fault is a 400, ours a 500."""
@@ -384,6 +436,7 @@ class Worker:
         import mlx.core as mx
 
         m, pc = self.metrics, self.prefix_cache
+        self._gauges_refreshed = time.monotonic()
         with m.lock:
             m.active_memory = mx.get_active_memory()
             m.peak_memory = mx.get_peak_memory()
@@ -394,3 +447,14 @@ class Worker:
                 if pc.disk is not None:
                     m.prompt_cache_disk_bytes, m.prompt_cache_disk_entries = pc.disk.nbytes, len(pc.disk)
 
+
+def _step_kind(step) -> str:
+    """What a ``batched_verify.Step`` was: a decode cycle, a prefill chunk, the end or a failure."""
+    if step.error is not None:
+        return f"a failed step ({type(step.error).__name__})"
+    event = step.event
+    if event is None or event.stats is not None:
+        return "its last step"
+    if event.accepted is not None:
+        return f"a cycle of {len(event.tokens)} tokens"
+    return "a prefill chunk" if not event.tokens else f"a step of {len(event.tokens)} tokens"
