@@ -11,6 +11,7 @@ from __future__ import annotations
 import threading
 import time
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Generator, Iterator, Optional, Sequence, Union
 
 import mlx.core as mx
@@ -425,7 +426,8 @@ def speculative_steps(
     cfg = drafter.config
     if settings.block_size is not None and not 1 < settings.block_size <= cfg.block_size:
         raise ValueError(f"block size must be in 2..{cfg.block_size} for this drafter, got {settings.block_size}")
-    policy = policy_for(runner, drafter, settings)  # may calibrate the pair: before the clock starts
+    # may calibrate the pair: before the clock starts
+    policy = policy_for(runner, drafter, settings, partial(_run_calibration_request, runner, drafter, settings.sampling))
     settings, stats, out = _start(runner, prompt, settings, tokenizer)
     sampling, greedy = settings.sampling, settings.sampling.greedy
     taps = cfg.target_layer_ids
@@ -662,6 +664,13 @@ def collect(events: Iterator[GenerationEvent]) -> tuple[list[int], Optional[Gene
         tokens += event.tokens
         stats = event.stats or stats
     return tokens, stats
+
+
+def _run_calibration_request(runner: TargetRunner, drafter: Drafter, sampling: SamplingSettings,
+                             prompt: Sequence[int], policy: BlockPolicy, max_tokens: int) -> None:
+    """One short request the controller's calibration times (``controller.calibrate``)."""
+    settings = GenerationSettings(max_tokens=max_tokens, sampling=sampling, policy=policy)
+    collect(generate_speculative(runner, drafter, prompt, settings))
 
 
 def _with_max(settings: GenerationSettings, max_tokens: int) -> GenerationSettings:
