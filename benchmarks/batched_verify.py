@@ -29,12 +29,11 @@ import sys
 import time
 from pathlib import Path
 
-import dflash2_mlx  # noqa: F401  (OpenBLAS before mlx.core)
-
 import mlx.core as mx
 from mlx.utils import tree_flatten
 
-from dflash2_mlx.batched_verify import VerifyRequest, step_together, verify_batch, verify_one
+import dflash2_mlx  # noqa: F401  (OpenBLAS before mlx.core)
+from dflash2_mlx.decoding.batched_verify import VerifyRequest, step_together, verify_batch, verify_one
 from dflash2_mlx.engine import GenerationSettings, collect, generate_speculative, prefill, speculative_steps
 
 
@@ -47,7 +46,7 @@ def op_count(*outputs: mx.array) -> int:
 
 def load(args):
     from dflash2_mlx import assets
-    from dflash2_mlx.loading import freeze_loaded_objects, load_drafter, load_target
+    from dflash2_mlx.models.loading import freeze_loaded_objects, load_drafter, load_target
 
     target = load_target(args.model or str(assets.demo_target_path()))
     drafter = load_drafter(args.draft_model or str(assets.demo_drafter_path()))

@@ -40,9 +40,9 @@ from pathlib import Path
 from typing import Callable, Iterable, Optional
 from unittest import mock
 
-import dflash2_mlx  # noqa: F401  (OpenBLAS before mlx.core)
-
 import mlx.core as mx
+
+import dflash2_mlx  # noqa: F401  (OpenBLAS before mlx.core)
 
 
 @dataclass
@@ -94,9 +94,9 @@ def timed(stream: Iterable, tokens_of: Callable, cycle_of: Callable = lambda ite
 
 
 def ours(model: str, draft_model: str, max_tokens: int, block_size: Optional[int], temperature: float) -> list[Implementation]:
+    from dflash2_mlx.decoding.sampling import SamplingSettings
     from dflash2_mlx.engine import GenerationSettings, generate_autoregressive, generate_speculative
-    from dflash2_mlx.loading import load_drafter, load_target, validate_pair
-    from dflash2_mlx.sampling import SamplingSettings
+    from dflash2_mlx.models.loading import load_drafter, load_target, validate_pair
 
     target = load_target(model)
     drafter = load_drafter(draft_model)
@@ -259,8 +259,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     args = ap.parse_args(argv)
 
     from dflash2_mlx import assets
-    from dflash2_mlx.bench import read_prompts
-    from dflash2_mlx.loading import freeze_loaded_objects
+    from dflash2_mlx.diagnostics.bench import read_prompts
+    from dflash2_mlx.models.loading import freeze_loaded_objects
 
     model = args.model or str(assets.demo_target_path())
     draft_model = args.draft_model or str(assets.demo_drafter_path())

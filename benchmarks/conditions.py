@@ -37,8 +37,8 @@ MODES = ("plain", "2", "4", "8", "auto")
 
 
 def run_mode(target, drafter, ids, mode: str, temperature: float, max_tokens: int, seed: int):
+    from dflash2_mlx.decoding.sampling import SamplingSettings
     from dflash2_mlx.engine import GenerationSettings, collect, generate_autoregressive, generate_speculative
-    from dflash2_mlx.sampling import SamplingSettings
 
     settings = GenerationSettings(max_tokens=max_tokens, sampling=SamplingSettings(temperature=temperature), seed=seed,
                                   block_size=None if mode in ("plain", "auto") else int(mode))
@@ -53,7 +53,7 @@ def cell_rows(target, drafter, prompts: list[list[int]], temperature: float, max
     speedup (median over rounds of the same round's ratio to plain) and its spread, controller."""
     import statistics
 
-    from dflash2_mlx.bench import merge_controller
+    from dflash2_mlx.diagnostics.bench import merge_controller
 
     modes = [m for m in MODES if m == "plain" or m == "auto" or int(m) <= drafter.config.block_size]
     for mode in modes:  # warm-up
@@ -111,7 +111,7 @@ def main(argv=None) -> int:
     from long_context import held_out_tokens
 
     from dflash2_mlx.cli.common import embedded_pair, embedded_prompts, encode_line
-    from dflash2_mlx.loading import load_drafter, load_target
+    from dflash2_mlx.models.loading import load_drafter, load_target
 
     embedded = embedded_pair()
     pairs = [] if args.skip_embedded else [("embedded", str(embedded[0]), str(embedded[1]))]

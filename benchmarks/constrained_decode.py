@@ -99,9 +99,9 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
 
     from dflash2_mlx import assets
-    from dflash2_mlx.constrained import Grammar
+    from dflash2_mlx.constraints.grammar import Grammar
     from dflash2_mlx.engine import GenerationSettings, collect, generate_autoregressive, generate_speculative
-    from dflash2_mlx.loading import load_drafter, load_target
+    from dflash2_mlx.models.loading import load_drafter, load_target
 
     target = load_target(str(assets.demo_target_path()))
     drafter = load_drafter(str(assets.demo_drafter_path()))

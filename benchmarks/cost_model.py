@@ -39,10 +39,10 @@ import time
 from pathlib import Path
 from typing import Callable
 
-import dflash2_mlx  # noqa: F401  (OpenBLAS before mlx.core)
-
 import mlx.core as mx
 import mlx.nn as nn
+
+import dflash2_mlx  # noqa: F401  (OpenBLAS before mlx.core)
 
 # Anchors (../shared/reference/anchors.md): published acceptance length, Mac plain decoding.
 PUBLISHED_ACCEPTANCE = 4.80
@@ -66,7 +66,7 @@ def target_config(dtype: str) -> dict:
 
 
 def drafter_config():
-    from dflash2_mlx.config import DrafterConfig
+    from dflash2_mlx.models.drafter_config import DrafterConfig
 
     return DrafterConfig.from_dict({
         "architectures": ["DFlash2DraftModel"], "model_type": "qwen3", "is_causal": False, "hidden_size": 5120,
@@ -92,8 +92,8 @@ def median_ms(fn: Callable[[], None], repeats: int) -> float:
 def build(dtype: mx.Dtype, bits: int | None):
     from mlx_lm.utils import _get_classes
 
-    from dflash2_mlx.drafter import Drafter
-    from dflash2_mlx.target import TargetRunner
+    from dflash2_mlx.models.drafter import Drafter
+    from dflash2_mlx.models.target import TargetRunner
 
     cfg = target_config(str(dtype))
     model_class, args_class = _get_classes(cfg)
@@ -183,7 +183,7 @@ def cycle_and_step(runner, drafter, contexts: list[int], repeats: int) -> list[d
 
 
 def measure(runner, drafter, context: int, repeats: int) -> dict:
-    from dflash2_mlx import kernels
+    from dflash2_mlx.kernels import dispatch as kernels
 
     s = Setting(runner, drafter, context)
     out: dict = {"context": context}
@@ -225,7 +225,7 @@ def measure_grammar_mask(dtype: mx.Dtype, repeats: int) -> dict:
     sys.path.insert(0, str(Path(__file__).parent))
     from grammar_engines import BENCH_ANSWER, BENCH_SCHEMA, MODEL_VOCAB, qwen_tokenizer_json
 
-    from dflash2_mlx.constrained import Grammar
+    from dflash2_mlx.constraints.grammar import Grammar
 
     with tempfile.TemporaryDirectory() as d:
         tok = PreTrainedTokenizerFast.from_pretrained(str(qwen_tokenizer_json(Path(d))))
@@ -316,7 +316,7 @@ def controller_choices(verify_relative: dict | None = None) -> list[dict]:
     ones, at several acceptance levels (a constant conditional acceptance per draft position that
     gives that acceptance length at the real block size). ``verify_relative``: B-row verify / one
     row (default: bandwidth-bound, growing linearly to MAC_VERIFY_16_ROWS at 16 rows)."""
-    from dflash2_mlx.controller import PLAIN, BreakEvenController, PairProfile, expected_tokens
+    from dflash2_mlx.policies.block_size import PLAIN, BreakEvenController, PairProfile, expected_tokens
 
     ar_ms, draft_ms = 1000 / M5_MAX_AR_TPS, mac_draft_ms()
 
@@ -366,8 +366,8 @@ def batched_verify_cost(args) -> dict:
     the full depth, and predict what batching gives on an M5 Max."""
     from mlx_lm.utils import _get_classes
 
-    from dflash2_mlx.batched_verify import VerifyRequest, verify_batch, verify_one
-    from dflash2_mlx.target import TargetRunner
+    from dflash2_mlx.decoding.batched_verify import VerifyRequest, verify_batch, verify_one
+    from dflash2_mlx.models.target import TargetRunner
 
     cfg = target_config(args.dtype)
     text = cfg["text_config"]

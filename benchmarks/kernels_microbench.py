@@ -1,7 +1,7 @@
 """Microbenchmark of the DFlash 2 kernels at the real widths.
 
 Times, per call (dispatch + evaluation, median over iterations):
-- the composed reference MLX ops (``reference_*`` in dflash2_mlx.kernels), eagerly and under
+- the composed reference MLX ops (``reference_*`` in dflash2_mlx.kernels.dispatch), eagerly and under
   ``mx.compile``;
 - the fused Metal kernels (``metal/*.metal`` through ``mx.fast.metal_kernel``) when Metal is
   available and the default device is the GPU; elsewhere only the reference is timed, and the
@@ -27,8 +27,8 @@ from pathlib import Path
 import mlx.core as mx
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from dflash2_mlx import kernels  # noqa: E402
-from dflash2_mlx.doctor_report import time_us  # noqa: E402
+from dflash2_mlx.diagnostics.doctor_report import time_us  # noqa: E402
+from dflash2_mlx.kernels import dispatch as kernels  # noqa: E402
 
 
 def _time(fn, iters: int, warmup: int) -> dict:

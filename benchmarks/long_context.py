@@ -69,7 +69,7 @@ def main(argv=None) -> int:
     if args.reduced_depth:
         return reduced_depth(args.short, args.long, args.repeats)
     from dflash2_mlx import assets
-    from dflash2_mlx.loading import load_drafter, load_target
+    from dflash2_mlx.models.loading import load_drafter, load_target
 
     target = load_target(args.model or str(assets.demo_target_path()))
     drafter = load_drafter(args.draft_model or str(assets.demo_drafter_path()))

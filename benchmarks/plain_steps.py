@@ -37,10 +37,10 @@ def main(argv=None) -> int:
     from long_context import held_out_tokens
 
     from dflash2_mlx.cli.common import embedded_pair, embedded_prompts, encode_line
-    from dflash2_mlx.controller import ScheduledBlocks
+    from dflash2_mlx.decoding.sampling import SamplingSettings
     from dflash2_mlx.engine import GenerationSettings, collect, generate_autoregressive, generate_speculative
-    from dflash2_mlx.loading import load_drafter, load_target
-    from dflash2_mlx.sampling import SamplingSettings
+    from dflash2_mlx.models.loading import load_drafter, load_target
+    from dflash2_mlx.policies.block_size import ScheduledBlocks
 
     target_path, drafter_path = embedded_pair()
     target = load_target(args.model or str(target_path))

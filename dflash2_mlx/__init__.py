@@ -1,6 +1,6 @@
 """dflash2-mlx: lossless DFlash 2 speculative decoding on MLX."""
 
-from . import blas as _blas
+from dflash2_mlx.backend import blas as _blas
 
 _blas.preload()  # before any submodule imports mlx.core (see blas.py)
 

@@ -1,3 +1,3 @@
-from .cli.app import main
+from dflash2_mlx.cli.app import main
 
 main()

@@ -37,8 +37,8 @@ import numpy as np
 from mlx_lm.models.cache import ArraysCache, KVCache
 from mlx_lm.models.gated_delta import gated_delta_update
 
-from .caches import RecurrentInputs, TargetCache
-from .target import TargetRunner
+from dflash2_mlx.caches.target import RecurrentInputs, TargetCache
+from dflash2_mlx.models.target import TargetRunner
 
 
 @dataclass

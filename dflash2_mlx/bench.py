@@ -198,8 +198,8 @@ def run_bench(
 
 def profile_cycles(target, drafter, lines: Sequence[dict], settings, encode: Callable[[dict], list[int]]) -> dict:
     """Decode every prompt speculatively once more with a ``CycleProfiler``: per-phase time shares."""
+    from dflash2_mlx.decoding.profiling import CycleProfiler
     from dflash2_mlx.engine import generate_speculative
-    from dflash2_mlx.profiling import CycleProfiler
 
     profiler = CycleProfiler()
     profiled = replace(settings, profiler=profiler)

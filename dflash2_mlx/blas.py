@@ -186,7 +186,7 @@ def row_major_copies_pay(weights) -> bool:
     """Whether multi-row matmuls should use row-major copies of these (dense) weights."""
     import mlx.core as mx  # not at module level: OpenBLAS must be loaded before mlx.core
 
-    from . import device
+    from dflash2_mlx.backend import device
 
     weights = list(weights)
     return (

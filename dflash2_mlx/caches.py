@@ -25,7 +25,6 @@ import mlx.core as mx
 from mlx_lm.models.cache import ArraysCache, KVCache
 from mlx_lm.models.gated_delta import gated_delta_update
 
-
 ROLLBACK_ENV = "DFLASH2_MLX_ROLLBACK"
 ROLLBACK_SETTINGS = ("auto", "keep", "replay")
 

@@ -15,7 +15,7 @@ from typing import Optional
 
 import mlx.core as mx
 
-from . import device
+from dflash2_mlx.backend import device
 
 LOG2E = 1.4426950408889634
 # 2^f = e^(f ln 2) on f in [-1/2, 1/2]: Taylor terms (ln 2)^i / i!, truncation error < 6e-9.

@@ -40,8 +40,8 @@ from typing import Optional, Sequence
 import mlx.core as mx
 import numpy as np
 
-from .caches import CacheSnapshot
-from .drafter import ContextCache
+from dflash2_mlx.caches.drafter_context import ContextCache
+from dflash2_mlx.caches.target import CacheSnapshot
 
 log = logging.getLogger("dflash2_mlx.prompt_cache")
 
@@ -125,7 +125,7 @@ class DiskPrefixCache:
         request, read back as a ``PrefixEntry``; None if there is none (or none is intact).
 
         As in memory, the whole prompt counts only when its logits were stored."""
-        from .prefix_cache import PrefixEntry
+        from dflash2_mlx.caches.prefix import PrefixEntry
 
         for hit in self._candidates(tokens, need_context, longer_than):
             entry = self._read(hit, tokens)

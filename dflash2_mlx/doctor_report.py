@@ -26,8 +26,10 @@ from typing import Callable, Optional, Sequence
 
 import mlx.core as mx
 
-from . import device, kernels, memory
-from .engine import GenerationSettings, generate_autoregressive, generate_speculative
+from dflash2_mlx.backend import device
+from dflash2_mlx.engine import GenerationSettings, generate_autoregressive, generate_speculative
+from dflash2_mlx.kernels import dispatch as kernels
+from dflash2_mlx.models import memory
 
 # Generic prompts for pairs with a chat template (the embedded code pair brings its own).
 CHAT_PROMPTS = (
@@ -65,7 +67,8 @@ def _version(package: str) -> str:
 
 
 def system_section() -> dict:
-    from . import __version__, blas
+    from dflash2_mlx import __version__
+    from dflash2_mlx.backend import blas
 
     info = mx.device_info() if hasattr(mx, "device_info") else {}
     has, source = memory.available_bytes()
@@ -128,7 +131,7 @@ def kernels_section(dtypes: Sequence[mx.Dtype]) -> dict:
 
 
 def rollback_section(runner) -> dict:
-    from .caches import rollback_setting
+    from dflash2_mlx.caches.target import rollback_setting
 
     return {"setting": rollback_setting(), "path": runner.rollback_path(),
             "rule": "keep: the verify pass keeps each step's Gated DeltaNet state; replay: rollback "

@@ -17,10 +17,10 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.models.rope_utils import initialize_rope
 
-from . import kernels
-from .config import DrafterConfig
-from .drafter_step import DraftStep
-from .selector import CandidateSelector
+from dflash2_mlx.kernels import dispatch as kernels
+from dflash2_mlx.models.drafter_config import DrafterConfig
+from dflash2_mlx.models.drafter_step import DraftStep
+from dflash2_mlx.models.selector import CandidateSelector
 
 
 class ContextCache:

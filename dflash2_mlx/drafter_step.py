@@ -27,7 +27,9 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 
-from . import blas, cpu_attention, device, kernels, rope
+from dflash2_mlx.backend import blas, device
+from dflash2_mlx.fastpaths import cpu_attention, rope
+from dflash2_mlx.kernels import dispatch as kernels
 
 
 def _pack_linear(linear: nn.Module, row_major: bool) -> tuple[dict, Optional[tuple]]:

@@ -48,7 +48,6 @@ import os
 import threading
 import warnings
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Callable, Iterator, Sequence
 
 import mlx.core as mx
@@ -389,7 +388,7 @@ def load_source(spec: KernelSpec | str) -> str:
         spec = KERNEL_SPECS[spec]
     from importlib.resources import files
 
-    resource = files("dflash2_mlx.metal").joinpath(spec.filename)
+    resource = files("dflash2_mlx.kernels.metal").joinpath(spec.filename)
     if not resource.is_file():
         raise FileNotFoundError(
             f"Metal kernel source {spec.filename!r} is missing from dflash2_mlx/metal/: reinstall the package"
@@ -420,7 +419,7 @@ def _forced_reference() -> bool:
 
 
 def _metal_device() -> bool:
-    from . import device
+    from dflash2_mlx.backend import device
 
     return device.metal_gpu()
 

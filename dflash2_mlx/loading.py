@@ -17,11 +17,11 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_flatten
 
-from .caches import rollback_setting
-from .config import ARCHITECTURES as DRAFTER_ARCHITECTURES
-from .config import ConfigError, DrafterConfig
-from .drafter import Drafter
-from .target import TargetRunner, UnsupportedModel
+from dflash2_mlx.caches.target import rollback_setting
+from dflash2_mlx.models.drafter import Drafter
+from dflash2_mlx.models.drafter_config import ARCHITECTURES as DRAFTER_ARCHITECTURES
+from dflash2_mlx.models.drafter_config import ConfigError, DrafterConfig
+from dflash2_mlx.models.target import TargetRunner, UnsupportedModel
 
 _REPO_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
 
@@ -46,11 +46,7 @@ def resolve(path_or_repo: str, what: str = "model") -> Path:
 
 def _download(repo_id: str, what: str) -> Path:
     from huggingface_hub import snapshot_download
-    from huggingface_hub.errors import (
-        GatedRepoError,
-        LocalEntryNotFoundError,
-        RepositoryNotFoundError,
-    )
+    from huggingface_hub.errors import GatedRepoError, LocalEntryNotFoundError, RepositoryNotFoundError
 
     try:
         path = Path(snapshot_download(repo_id, allow_patterns=["*.json", "*.safetensors", "*.jinja", "*.txt", "tokenizer.model", "*.tiktoken"]))
@@ -229,7 +225,8 @@ def load_pair(target_spec: str, drafter_spec: Optional[str], context: Optional[i
     pre-flight first (before any download: a pair that cannot fit ends in one line), then load
     and validate, run the Metal kernels' self-checks for every float dtype the models use (before
     any compile trace) and set the GPU wired limit as mlx-lm does."""
-    from . import kernels, memory
+    from dflash2_mlx.kernels import dispatch as kernels
+    from dflash2_mlx.models import memory
 
     try:
         memory.preflight(target_spec, drafter_spec, context, label)

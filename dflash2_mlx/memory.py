@@ -259,7 +259,7 @@ def preflight(target: str, drafter: Optional[str], context: Optional[int] = None
     preset's repos) fits this machine's memory at ``context`` tokens (default: 32K, or the model's
     context if shorter). Raises DoesNotFit with one line; returns the plan, or None when the
     sizes cannot be known without downloading (loading then proceeds)."""
-    from . import presets
+    from dflash2_mlx.models import presets
 
     preset = presets.by_target(target)
     if preset is not None and (drafter is None or drafter == preset.drafter):
@@ -291,9 +291,9 @@ def keeps_verify_states(target: TargetShape) -> bool:
     """Whether verify passes keep per-step states here: forced by DFLASH2_MLX_ROLLBACK=keep, or
     (auto) where the recurrence runs as ops (no Metal GPU) and a layer's states fit the bound
     (the rule of ``target._keeps_step_states``)."""
-    from . import device
-    from .caches import rollback_setting
-    from .target import MAX_KEPT_STATE_BYTES
+    from dflash2_mlx.backend import device
+    from dflash2_mlx.caches.target import rollback_setting
+    from dflash2_mlx.models.target import MAX_KEPT_STATE_BYTES
 
     setting = rollback_setting()
     if setting != "auto":

@@ -19,13 +19,13 @@ from typing import TYPE_CHECKING, Optional, Sequence
 
 import mlx.core as mx
 
-from .caches import CacheSnapshot
-from .drafter import ContextCache
+from dflash2_mlx.caches.drafter_context import ContextCache
+from dflash2_mlx.caches.target import CacheSnapshot
 
 if TYPE_CHECKING:
-    from .disk_cache import DiskPrefixCache
+    from dflash2_mlx.caches.disk import DiskPrefixCache
 
-log = logging.getLogger("dflash2_mlx.prefix_cache")
+log = logging.getLogger("dflash2_mlx.caches.prefix")
 
 
 @dataclass

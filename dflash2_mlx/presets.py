@@ -15,7 +15,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional
 
-from .memory import GB, DrafterShape, TargetShape
+from dflash2_mlx.models.shapes import GB, DrafterShape, TargetShape
 
 # The shapes of /work/shared/reference (qwen3.8-27b and qwen3.8-27b-dflash2 config.json): what
 # sizes the caches, known without downloading anything (the memory pre-flight uses them).

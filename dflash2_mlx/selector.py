@@ -11,7 +11,7 @@ from __future__ import annotations
 import mlx.core as mx
 import mlx.nn as nn
 
-from . import kernels
+from dflash2_mlx.kernels import dispatch as kernels
 
 
 def top_k_candidates(logits: mx.array, k: int) -> tuple[mx.array, mx.array]:

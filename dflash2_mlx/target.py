@@ -21,11 +21,12 @@ import mlx.nn as nn
 import numpy as np
 from mlx_lm.models.activations import swiglu
 from mlx_lm.models.base import create_attention_mask, scaled_dot_product_attention
-from mlx_lm.models.qwen3_next import Qwen3NextAttention, Qwen3NextMLP
 from mlx_lm.models.gated_delta import compute_g, gated_delta_update, normalize_qk
+from mlx_lm.models.qwen3_next import Qwen3NextAttention, Qwen3NextMLP
 
-from . import blas, device, rope
-from .caches import RecurrentInputs, TargetCache, rollback_setting
+from dflash2_mlx.backend import blas, device
+from dflash2_mlx.caches.target import RecurrentInputs, TargetCache, rollback_setting
+from dflash2_mlx.fastpaths import rope
 
 
 class UnsupportedModel(ValueError):

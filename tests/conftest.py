@@ -6,9 +6,10 @@ from pathlib import Path
 # tests inherit this; tests of the prompt cache pass --prompt-cache-dir with a temporary directory.
 os.environ["DFLASH2_PROMPT_CACHE_DIR"] = "none"
 
-import dflash2_mlx  # noqa: F401  (first: loads OpenBLAS before mlx.core, as users get it)
 import mlx.core as mx
 import pytest
+
+import dflash2_mlx  # noqa: F401  (first: loads OpenBLAS before mlx.core, as users get it)
 
 sys.path.insert(0, str(Path(__file__).parent))
 

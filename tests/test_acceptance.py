@@ -8,7 +8,7 @@ import mlx.core as mx
 import pytest
 
 from dflash2_mlx.decoding.acceptance import accept_greedy, accept_rule, accept_sampled, plain_step_token
-from dflash2_mlx.sampling import SamplingSettings
+from dflash2_mlx.decoding.sampling import SamplingSettings
 
 VOCAB = 10
 

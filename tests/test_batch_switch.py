@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from dflash2_mlx.server.batch_switch import BatchSwitch
+from dflash2_mlx.policies.batch_switch import BatchSwitch
 
 
 def _serve(switch: BatchSwitch, requests: int, rounds: int, batched_s: float, in_turn_s: float) -> list[bool]:

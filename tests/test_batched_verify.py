@@ -15,14 +15,14 @@ from collections import defaultdict
 import mlx.core as mx
 import numpy as np
 import pytest
-from mlx.utils import tree_flatten
-
 import tiny
-from dflash2_mlx import target as target_module
-from dflash2_mlx.batched_verify import VerifyRequest, run_together, step_together, verify_batch, verify_one
-from dflash2_mlx.engine import GenerationSettings, generate_autoregressive, generate_speculative, speculative_steps
-from dflash2_mlx.target import TargetRunner
+from mlx.utils import tree_flatten
 from test_rollback import _assert_caches_equal
+
+from dflash2_mlx.decoding.batched_verify import VerifyRequest, run_together, step_together, verify_batch, verify_one
+from dflash2_mlx.engine import GenerationSettings, generate_autoregressive, generate_speculative, speculative_steps
+from dflash2_mlx.models import target as target_module
+from dflash2_mlx.models.target import TargetRunner
 
 ATOL = 1e-4  # as the rollback tests: a block pass against rows fed one by one
 TAPS = [0, 2]
@@ -208,7 +208,7 @@ def test_sampling_under_batched_verify_draws_what_taking_turns_draws(kind, hybri
     every sequence the tokens that one pass each gives (the random draws happen in the same order
     and the target's distributions are the solo passes'), so batching keeps each sequence's
     exact sampling distribution."""
-    from dflash2_mlx.sampling import SamplingSettings
+    from dflash2_mlx.decoding.sampling import SamplingSettings
 
     cfg, model = hybrid_target if kind == "hybrid" else plain_target
     runner = TargetRunner(model)

@@ -31,7 +31,7 @@ print("\\nPROBE " + json.dumps({"loaded": blas.loaded, "path": blas.library_path
 
 
 def system_openblas_present() -> bool:
-    from dflash2_mlx.blas import CANDIDATES
+    from dflash2_mlx.backend.blas import CANDIDATES
 
     for name in CANDIDATES:
         try:

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 import re
-import time
+import signal
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -236,7 +236,7 @@ def test_chat_reuses_message_boundaries_with_a_thinking_template(tiny_checkpoint
 
     from dflash2_mlx.cli.chat import ChatSession
     from dflash2_mlx.engine import GenerationSettings
-    from dflash2_mlx.loading import load_drafter, load_target
+    from dflash2_mlx.models.loading import load_drafter, load_target
 
     target_dir, drafter_dir = tiny_checkpoints
     qwen = tmp_path / "qwen-style"

@@ -113,11 +113,11 @@ def test_bench_json_contract(tiny_checkpoints, tmp_path):
 def test_bench_library_order_templates_and_pooled_acceptance(tiny_checkpoints):
     """In process: prompts run in file order, messages lines go through the chat template, the
     mean acceptance length pools cycles, and `identical` is null when sampling."""
-    from dflash2_mlx import bench
     from dflash2_mlx.cli.common import encode_line
+    from dflash2_mlx.decoding.sampling import SamplingSettings
+    from dflash2_mlx.diagnostics import bench
     from dflash2_mlx.engine import GenerationSettings
-    from dflash2_mlx.loading import load_drafter, load_target
-    from dflash2_mlx.sampling import SamplingSettings
+    from dflash2_mlx.models.loading import load_drafter, load_target
 
     target_dir, drafter_dir = tiny_checkpoints
     target, drafter = load_target(str(target_dir)), load_drafter(str(drafter_dir))
@@ -180,7 +180,7 @@ def test_prompt_file_errors_are_one_line(tiny_checkpoints, tmp_path, capsys, mon
 
 def test_presets_and_embedded_defaults(monkeypatch, capsys):
     from dflash2_mlx.cli import common
-    from dflash2_mlx.presets import PRESETS, get_preset
+    from dflash2_mlx.models.presets import PRESETS, get_preset
 
     p = get_preset("Qwen3.8-27B")
     assert p.target and p.drafter and 14 <= p.target_gb <= 16 and 2 <= p.drafter_gb <= 4

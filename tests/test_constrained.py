@@ -16,13 +16,13 @@ import random
 import mlx.core as mx
 import numpy as np
 import pytest
+import tiny
 from mlx.utils import tree_flatten
 
-import tiny
-from dflash2_mlx.constrained import Grammar, GrammarError, GrammarState, json_schema_rules
+from dflash2_mlx.constraints.grammar import Grammar, GrammarError, GrammarState, json_schema_rules
+from dflash2_mlx.decoding.sampling import SamplingSettings, probabilities
 from dflash2_mlx.engine import GenerationSettings, generate_autoregressive, generate_speculative
-from dflash2_mlx.sampling import SamplingSettings, probabilities
-from dflash2_mlx.target import TargetRunner
+from dflash2_mlx.models.target import TargetRunner
 
 # Every keyword the server promises, in one schema whose language is finite (bounded strings,
 # integers and arrays): every constrained generation ends with the stop token by itself.
@@ -377,7 +377,7 @@ def test_a_sampled_walk_row_without_allowed_candidates_falls_back_to_the_kernels
                                                                                      schema_grammar):
     """No candidate may start the answer: the walk is then the unmasked kernel's, q and picks
     (``reference_select_sampled`` over the same scores and uniforms)."""
-    from dflash2_mlx import kernels
+    from dflash2_mlx.kernels import dispatch as kernels
 
     state = schema_grammar.start()
     start_allowed = np.flatnonzero(np.array(state.mask_next(mx.zeros((1, tiny.VOCAB)))[0]) > -1)

@@ -11,7 +11,7 @@ import random
 
 import pytest
 
-from dflash2_mlx.controller import (
+from dflash2_mlx.policies.block_size import (
     PLAIN,
     BreakEvenController,
     CostTable,
@@ -192,7 +192,7 @@ def test_calibration_times_the_cycles_of_the_requests_it_is_given_to_run():
     # runs one request under a block schedule. Here the "request" reports made-up cycle times.
     from types import SimpleNamespace
 
-    from dflash2_mlx.controller import calibrate
+    from dflash2_mlx.policies.block_size import calibrate
 
     def cost(block_size: int) -> float:
         return 1.0 if block_size == PLAIN else 1.5 + 0.25 * block_size

@@ -11,9 +11,8 @@ import sys
 import mlx.core as mx
 import mlx.nn as nn
 import pytest
-from mlx.utils import tree_flatten
-
 import tiny
+from mlx.utils import tree_flatten
 
 LINEARS = {"fc", "q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"}
 
@@ -64,7 +63,7 @@ def drafter8(hf_checkpoints, tmp_path_factory):
 @pytest.mark.parametrize("bits", [4, 8])
 def test_target_conversion_round_trip_is_lossless(hf_checkpoints, drafter8, tmp_path, capsys, monkeypatch, bits):
     from dflash2_mlx.engine import GenerationSettings, generate_autoregressive, generate_speculative
-    from dflash2_mlx.loading import load_drafter, load_target
+    from dflash2_mlx.models.loading import load_drafter, load_target
 
     src, _ = hf_checkpoints
     out = tmp_path / f"target-{bits}bit"
@@ -95,7 +94,7 @@ def test_target_conversion_round_trip_is_lossless(hf_checkpoints, drafter8, tmp_
 
 
 def test_drafter_conversion_keeps_codebooks_convs_norms_in_bf16(hf_checkpoints, drafter8, capsys, monkeypatch):
-    from dflash2_mlx.loading import load_drafter
+    from dflash2_mlx.models.loading import load_drafter
 
     src = hf_checkpoints[1]
     config = json.loads((drafter8 / "config.json").read_text())

@@ -1,4 +1,4 @@
-"""The persistent prompt cache (dflash2_mlx.disk_cache): exact restores after a "restart" (a new
+"""The persistent prompt cache (dflash2_mlx.caches.disk): exact restores after a "restart" (a new
 cache object on the same directory), damaged and left-over files, the byte budget, identities,
 bf16 arrays and several processes writing one directory."""
 
@@ -14,13 +14,13 @@ from pathlib import Path
 
 import mlx.core as mx
 import pytest
-
 import tiny
-from dflash2_mlx.caches import CacheSnapshot
-from dflash2_mlx.disk_cache import DiskPrefixCache, FORMAT, _read_index
+
+from dflash2_mlx.caches.disk import FORMAT, DiskPrefixCache, _read_index
+from dflash2_mlx.caches.prefix import PrefixCache, PrefixEntry
+from dflash2_mlx.caches.target import CacheSnapshot
 from dflash2_mlx.engine import GenerationSettings, generate_autoregressive, generate_speculative
-from dflash2_mlx.prefix_cache import PrefixCache, PrefixEntry
-from dflash2_mlx.target import TargetRunner
+from dflash2_mlx.models.target import TargetRunner
 
 PROMPT = [11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21, 22, 23]
 BOUNDARY = 6
@@ -168,7 +168,7 @@ def test_another_model_pair_never_restores_these_snapshots(pair, tmp_path):
 
 
 def test_a_snapshot_larger_than_the_memory_budget_is_logged_and_kept_on_disk(pair, tmp_path, caplog):
-    with caplog.at_level(logging.INFO, logger="dflash2_mlx.prefix_cache"):
+    with caplog.at_level(logging.INFO, logger="dflash2_mlx.caches.prefix"):
         memory_only = PrefixCache(max_bytes=1)
         _generate(pair, PROMPT, memory_only)
         tiered = PrefixCache(max_bytes=1, disk=_disk(tmp_path))
@@ -202,9 +202,9 @@ def test_bfloat16_arrays_come_back_bit_for_bit(tmp_path):
 WRITER = textwrap.dedent("""
     import sys
     import mlx.core as mx
-    from dflash2_mlx.caches import CacheSnapshot
-    from dflash2_mlx.disk_cache import DiskPrefixCache
-    from dflash2_mlx.prefix_cache import PrefixEntry
+    from dflash2_mlx.caches.target import CacheSnapshot
+    from dflash2_mlx.caches.disk import DiskPrefixCache
+    from dflash2_mlx.caches.prefix import PrefixEntry
 
     root, me, budget = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
     disk = DiskPrefixCache(root, "shared-pair", budget)

@@ -9,8 +9,8 @@ import sys
 
 import pytest
 
-from dflash2_mlx import doctor_report
-from dflash2_mlx.target import TargetRunner
+from dflash2_mlx.diagnostics import doctor_report
+from dflash2_mlx.models.target import TargetRunner
 
 SECTIONS = ("system", "kernels", "rollback", "lossless", "speed", "memory")
 
@@ -73,7 +73,7 @@ def test_a_divergence_passes_only_within_the_rounding_bound(hybrid_target):
 
 @pytest.mark.parametrize("setting", ["keep", "replay"])
 def test_the_rounding_bound_is_float32_rounding_on_the_cpu_for_either_rollback_path(hybrid_target, setting, monkeypatch):
-    from dflash2_mlx import caches
+    from dflash2_mlx.caches import target as caches
 
     monkeypatch.setenv(caches.ROLLBACK_ENV, setting)
     _, model = hybrid_target

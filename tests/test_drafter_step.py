@@ -9,10 +9,10 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 import pytest
+import tiny
 from mlx.utils import tree_flatten
 
-import tiny
-from dflash2_mlx import cpu_attention
+from dflash2_mlx.fastpaths import cpu_attention
 
 
 @pytest.fixture(scope="module")
@@ -89,7 +89,7 @@ def test_block_attention_on_the_cpu_is_attention_over_the_concatenated_parts(wit
 def test_the_gpu_attention_branch_equals_the_cpu_branch(with_context, monkeypatch):
     """block_attention's GPU branch (MLX's fused attention over the concatenated parts), forced on
     the CPU with DFLASH2_MLX_PATHS=gpu, agrees with the CPU branch (polynomial exp)."""
-    from dflash2_mlx import device
+    from dflash2_mlx.backend import device
 
     length, hq, hkv, d, c = 8, 8, 2, 32, 29
     key = iter(mx.random.split(mx.random.key(9), 8))
@@ -110,8 +110,9 @@ def test_on_the_gpu_paths_the_drafters_rope_tables_stay_float32(drafter_config, 
     """On a GPU mx.fast.rope computes in float32 and rounds once: the drafter's table rows stay
     float32 there, and a bf16 row rotated with them is float32 RoPE rounded to bf16, bit for bit.
     On the CPU the rows take x's dtype, as mx.fast.rope's CPU fallback computes in it."""
-    from dflash2_mlx import device, rope
-    from dflash2_mlx.drafter_step import DraftStep
+    from dflash2_mlx.backend import device
+    from dflash2_mlx.fastpaths import rope
+    from dflash2_mlx.models.drafter_step import DraftStep
 
     module = nn.RoPE(64, traditional=False, base=1e6)
     table = rope.RopeTable(module, 64).covering(300)

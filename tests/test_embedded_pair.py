@@ -10,7 +10,7 @@ import pytest
 
 from dflash2_mlx import assets
 from dflash2_mlx.engine import GenerationSettings, collect, generate_autoregressive, generate_speculative
-from dflash2_mlx.loading import load_drafter, load_target
+from dflash2_mlx.models.loading import load_drafter, load_target
 from dflash2_mlx.training.build_demo_pair import CHECKED_FILES, repetition_rate, sha256_file
 
 MAX_TOKENS = 48

@@ -7,13 +7,13 @@ import threading
 import mlx.core as mx
 import numpy as np
 import pytest
-
 import tiny
-from dflash2_mlx.drafter import Drafter
+
+from dflash2_mlx.caches.prefix import PrefixCache
+from dflash2_mlx.decoding.sampling import SamplingSettings
 from dflash2_mlx.engine import GenerationSettings, generate_autoregressive, generate_speculative
-from dflash2_mlx.prefix_cache import PrefixCache
-from dflash2_mlx.sampling import SamplingSettings
-from dflash2_mlx.target import TargetRunner
+from dflash2_mlx.models.drafter import Drafter
+from dflash2_mlx.models.target import TargetRunner
 
 
 def _run(gen):
@@ -154,7 +154,7 @@ def test_logprobs_are_the_targets_whichever_decoder_emits_the_token(pair, temper
 
 
 def test_profiled_decoding_emits_the_same_tokens_and_accounts_every_phase(pair):
-    from dflash2_mlx.profiling import PHASES, CycleProfiler
+    from dflash2_mlx.decoding.profiling import PHASES, CycleProfiler
 
     runner, drafter = pair
     prompt = [5, 9, 2, 7, 7, 1, 3]

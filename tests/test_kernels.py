@@ -1,5 +1,5 @@
 """Kernels: the Metal bodies in metal/ (compiled for the CPU by tests/kernel_harness) against the
-reference ops in dflash2_mlx.kernels, and the dispatcher (env var, override, active_kernels,
+reference ops in dflash2_mlx.kernels.dispatch, and the dispatcher (env var, override, active_kernels,
 the Mac self-check logic)."""
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ import pytest
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from kernel_harness import harness  # noqa: E402
 
-from dflash2_mlx import kernels  # noqa: E402
+from dflash2_mlx.kernels import dispatch as kernels  # noqa: E402
 
 REPO = Path(__file__).resolve().parent.parent
 DTYPES = [mx.float32, mx.float16, mx.bfloat16]
@@ -432,7 +432,7 @@ def test_wrong_sampled_kernels_are_detected():
 def test_sources_load_from_the_package_metal_folder():
     for name, spec in kernels.KERNEL_SPECS.items():
         assert kernels.load_source(name) == (REPO / "dflash2_mlx" / "metal" / spec.filename).read_text()
-    assert (REPO / "dflash2_mlx" / "metal" / "__init__.py").exists()  # package dflash2_mlx.metal (package data)
+    assert (REPO / "dflash2_mlx" / "metal" / "__init__.py").exists()  # package dflash2_mlx.kernels.metal (package data)
 
 
 def test_reference_on_this_machine(monkeypatch):
@@ -689,7 +689,7 @@ def test_compiled_functions_are_self_checked_for_their_inputs_dtypes_before_the_
 
 
 def test_loading_a_pair_self_checks_the_dtypes_the_models_use(simulated_metal, embedded_pair):
-    from dflash2_mlx.loading import load_pair
+    from dflash2_mlx.models.loading import load_pair
 
     target, drafter = load_pair(str(embedded_pair[0]), str(embedded_pair[1]))
     dtypes = {str(a.dtype).split(".")[-1] for m in (target.runner.model, drafter)

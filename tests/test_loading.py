@@ -24,18 +24,13 @@ from pathlib import Path
 import mlx.core as mx
 import mlx.nn as nn
 import pytest
+import tiny
 from mlx.utils import tree_flatten
 
-import tiny
-from dflash2_mlx.config import DFLASH1, DFLASH2
-from dflash2_mlx.engine import (
-    GenerationSettings,
-    PromptTooLong,
-    generate_autoregressive,
-    generate_speculative,
-)
-from dflash2_mlx.loading import LoadError, load_drafter, load_target, validate_pair
-from dflash2_mlx.target import TargetRunner
+from dflash2_mlx.engine import GenerationSettings, PromptTooLong, generate_autoregressive, generate_speculative
+from dflash2_mlx.models.drafter_config import DFLASH1, DFLASH2
+from dflash2_mlx.models.loading import LoadError, load_drafter, load_target, validate_pair
+from dflash2_mlx.models.target import TargetRunner
 
 PROMPTS = {
     "short": [5, 17, 99, 200, 3],

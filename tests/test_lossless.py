@@ -12,11 +12,11 @@ from collections import defaultdict
 
 import mlx.core as mx
 import pytest
+import tiny
 from mlx.utils import tree_flatten
 
-import tiny
 from dflash2_mlx.engine import GenerationSettings, generate_autoregressive, generate_speculative
-from dflash2_mlx.target import TargetRunner
+from dflash2_mlx.models.target import TargetRunner
 
 MAX_TOKENS = 40
 # 220 random cases over 110 random prompts: a prompt's plain greedy continuation does not depend
@@ -38,7 +38,7 @@ def plain_greedy():
     memo = {}
 
     def plain(target, prompt, n):
-        from dflash2_mlx import device
+        from dflash2_mlx.backend import device
 
         _, model = target
         # the GPU code paths (forced on the CPU) round differently: their plain run is their own
@@ -120,7 +120,7 @@ def test_lossless_through_the_compiled_kernel_bodies(hybrid_target, plain_target
     """The same property with the conv and selector running the .metal bodies compiled for the CPU."""
     from kernel_harness import harness
 
-    from dflash2_mlx import kernels
+    from dflash2_mlx.kernels import dispatch as kernels
 
     targets = {"hybrid": hybrid_target, "plain": plain_target}
     rng = random.Random(7)
@@ -153,7 +153,8 @@ def test_speculative_greedy_equals_plain_greedy_with_each_rollback_path(path, hy
     (Metal's path), and to replay with every GPU code path the CPU can take (mlx-lm's
     gated_delta_update in the layer, RoPE and masks as on a GPU, the fused drafter attention):
     random cases plus every accepted count for every block size."""
-    from dflash2_mlx import caches, device
+    from dflash2_mlx.backend import device
+    from dflash2_mlx.caches import target as caches
 
     monkeypatch.setenv(caches.ROLLBACK_ENV, path.split("-")[0])
     if path.endswith("gpu-paths"):
@@ -250,8 +251,8 @@ def test_sampled_decoding_through_the_compiled_kernels_draws_what_the_reference_
     """Given the same seed (so the same pre-drawn uniforms), the kernel path samples the same tokens."""
     from kernel_harness import harness
 
-    from dflash2_mlx import kernels
-    from dflash2_mlx.sampling import SamplingSettings
+    from dflash2_mlx.decoding.sampling import SamplingSettings
+    from dflash2_mlx.kernels import dispatch as kernels
 
     cfg, model = hybrid_target
     runner = TargetRunner(model)
@@ -279,7 +280,7 @@ def _schedule(rng: random.Random, max_block: int) -> list[int]:
 def test_greedy_output_equals_plain_under_forced_switching_schedules(hybrid_target, plain_target, plain_greedy):
     """Plain steps (cycles of block size 1) and blocks of every size, mixed by a schedule, emit
     exactly plain decoding's tokens; the schedule really ran (switches and every size seen)."""
-    from dflash2_mlx.controller import ScheduledBlocks
+    from dflash2_mlx.policies.block_size import ScheduledBlocks
 
     targets = {"hybrid": hybrid_target, "plain": plain_target}
     rng = random.Random(14)
@@ -314,7 +315,7 @@ def test_logits_processors_and_stop_tokens_hold_across_plain_steps(hybrid_target
     launched ahead of a host sync; a stop token inside a plain stretch ends the output there."""
     from mlx_lm.sample_utils import make_logits_processors
 
-    from dflash2_mlx.controller import ScheduledBlocks
+    from dflash2_mlx.policies.block_size import ScheduledBlocks
 
     cfg, model = hybrid_target
     runner = TargetRunner(model)
@@ -353,7 +354,7 @@ def test_blocks_drafted_after_a_plain_stretch_equal_those_of_a_run_that_never_le
     """Plain steps feed the target's tapped features into the drafter's context cache: a block
     drafted after a plain stretch (longer than the window and the context batch) sees the same
     context as the same block in a run that speculated all along."""
-    from dflash2_mlx.controller import ScheduledBlocks
+    from dflash2_mlx.policies.block_size import ScheduledBlocks
 
     cfg, model = hybrid_target
     runner = TargetRunner(model)

@@ -1,4 +1,4 @@
-"""The memory pre-flight (``dflash2_mlx.memory``): a pair that cannot fit is refused in one line,
+"""The memory pre-flight (``dflash2_mlx.models.memory``): a pair that cannot fit is refused in one line,
 before anything is downloaded or loaded; what fits is estimated from sizes known without a download."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from dflash2_mlx import memory, presets
+from dflash2_mlx.models import memory, presets
 
 
 def _cli(*args, env=None, timeout=120):
@@ -42,7 +42,7 @@ def test_download_refuses_the_preset_before_fetching_anything(monkeypatch):
     from typer.testing import CliRunner
 
     from dflash2_mlx.cli.app import app
-    from dflash2_mlx import loading
+    from dflash2_mlx.models import loading
 
     calls = []
     monkeypatch.setattr(loading, "_download", lambda *a: calls.append(a))
@@ -54,7 +54,7 @@ def test_download_refuses_the_preset_before_fetching_anything(monkeypatch):
 
 def test_load_pair_refuses_before_calling_the_hub(monkeypatch):
     """In process: neither the weights download nor the Hub's metadata is touched for a preset."""
-    from dflash2_mlx import loading
+    from dflash2_mlx.models import loading
 
     calls = []
     monkeypatch.setattr(loading, "_download", lambda *a: calls.append(("download", a)))
@@ -108,7 +108,7 @@ def test_a_local_pair_is_sized_from_its_files(embedded_pair, monkeypatch):
 
 @pytest.mark.parametrize("value,message", [("lots", "is not a number of GB"), ("-3", "must be a positive number")])
 def test_a_bad_memory_override_is_a_one_line_error(value, message, embedded_pair, monkeypatch):
-    from dflash2_mlx.loading import LoadError, load_pair
+    from dflash2_mlx.models.loading import LoadError, load_pair
 
     monkeypatch.setenv(memory.MEMORY_ENV, value)
     with pytest.raises(LoadError, match=f"DFLASH2_MLX_MEMORY_GB={value!r} is not|{message}") as raised:
@@ -121,7 +121,8 @@ def test_the_wired_limit_is_left_alone_without_a_metal_gpu():
 
 
 def test_the_estimate_counts_kept_verify_states_only_where_rollback_keeps_them(monkeypatch):
-    from dflash2_mlx import caches, device
+    from dflash2_mlx.backend import device
+    from dflash2_mlx.caches import target as caches
 
     shape = presets.QWEN38_27B_SHAPE
     monkeypatch.setenv(caches.ROLLBACK_ENV, "replay")

@@ -17,7 +17,7 @@ import mlx.core as mx
 import pytest
 
 from dflash2_mlx.engine import GenerationSettings, prefill
-from dflash2_mlx.loading import load_drafter, load_target
+from dflash2_mlx.models.loading import load_drafter, load_target
 
 
 def op_count(*outputs: mx.array) -> int:

@@ -35,18 +35,10 @@ import pytest
 torch = pytest.importorskip("torch", reason="needs the parity extra: pip install -e '.[parity]' && pip install --no-deps dflash==0.1.0")
 pytest.importorskip("dflash.model", reason="needs the parity extra: pip install -e '.[parity]' && pip install --no-deps dflash==0.1.0")
 
+import tiny
+from dflash.model import DFlash2DraftModel, DFlashDraftModel, _crop_to, _draft_value, _make_cache, _raw_input_embeddings
 from mlx.utils import tree_flatten
 from safetensors.numpy import load_file
-
-import tiny
-from dflash.model import (
-    DFlash2DraftModel,
-    DFlashDraftModel,
-    _crop_to,
-    _draft_value,
-    _make_cache,
-    _raw_input_embeddings,
-)
 
 torch.set_num_threads(1)  # tiny models: threads only add contention on small CI machines
 

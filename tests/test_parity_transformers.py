@@ -2,7 +2,7 @@
 
 A tiny Qwen3.5-architecture hybrid (8 layers: Gated DeltaNet, with a gated attention layer every
 4th) is built in transformers as ``Qwen3_5ForConditionalGeneration`` with every parameter random,
-saved with ``save_pretrained`` (safetensors) and loaded back through ``dflash2_mlx.loading.
+saved with ``save_pretrained`` (safetensors) and loaded back through ``dflash2_mlx.models.loading.
 load_target``. That is the layout of the real checkpoints (``model.language_model.*``,
 ``model.visual.*``, ``lm_head``, zero-centred norms, conv1d as [C, 1, K]); mlx-lm's
 ``qwen3_5.Model.sanitize`` converts it. ``Qwen3_5ForCausalLM.save_pretrained`` is NOT loadable by
@@ -42,10 +42,10 @@ import pytest
 torch = pytest.importorskip("torch", reason="needs the parity extra: pip install -e '.[parity]' && pip install --no-deps dflash==0.1.0")
 pytest.importorskip("transformers", reason="needs the parity extra: pip install -e '.[parity]' && pip install --no-deps dflash==0.1.0")
 
+import tiny
 from transformers import Qwen3_5Config, Qwen3_5ForConditionalGeneration, Qwen3Config, Qwen3ForCausalLM
 
-import tiny
-from dflash2_mlx.loading import load_target
+from dflash2_mlx.models.loading import load_target
 
 torch.set_num_threads(1)  # tiny models: threads only add contention on small CI machines
 

@@ -19,10 +19,10 @@ import mlx.core as mx
 import pytest
 from mlx.utils import tree_flatten
 
-from dflash2_mlx.config import DrafterConfig
-from dflash2_mlx.drafter import Drafter
-from dflash2_mlx.loading import LoadError, validate_pair
-from dflash2_mlx.target import TargetRunner
+from dflash2_mlx.models.drafter import Drafter
+from dflash2_mlx.models.drafter_config import DrafterConfig
+from dflash2_mlx.models.loading import LoadError, validate_pair
+from dflash2_mlx.models.target import TargetRunner
 
 REFERENCE = Path("/work/shared/reference")
 TARGET_CONFIG = REFERENCE / "qwen3.8-27b" / "config.json"
@@ -238,7 +238,7 @@ def test_drafter_for_another_depth_is_refused(real_runner, drafter_raw):
 def test_the_presets_recorded_shapes_are_the_reference_configs():
     """The memory pre-flight sizes a preset's caches from facts recorded in presets.py (nothing is
     downloaded): they must be what the reference config.json files say."""
-    from dflash2_mlx import memory, presets
+    from dflash2_mlx.models import memory, presets
 
     target = memory.TargetShape.from_config(json.loads(TARGET_CONFIG.read_text()))
     drafter = memory.DrafterShape.from_config(json.loads(DRAFTER_CONFIG.read_text()))

@@ -7,9 +7,9 @@ import random
 import mlx.core as mx
 import numpy as np
 import pytest
-
 import tiny
-from dflash2_mlx.target import TargetRunner
+
+from dflash2_mlx.models.target import TargetRunner
 
 BLOCK = 8
 
@@ -31,7 +31,8 @@ def rollback(request, monkeypatch):
     """Each rollback path: kept per-step states (the CPU default), replay of the recorded inputs
     (Metal's), and replay with every GPU code path the CPU can take (the verify pass calls
     mlx-lm's gated_delta_update, as on Metal)."""
-    from dflash2_mlx import caches, device
+    from dflash2_mlx.backend import device
+    from dflash2_mlx.caches import target as caches
 
     setting = request.param.split("-")[0]
     monkeypatch.setenv(caches.ROLLBACK_ENV, setting)
@@ -71,7 +72,7 @@ def test_rollback_after_a_verify_pass_matches_plain_feeding(kind, accepted, hybr
 
 
 def test_rollback_setting_rejects_an_unknown_value_in_one_line(monkeypatch):
-    from dflash2_mlx import caches
+    from dflash2_mlx.caches import target as caches
 
     monkeypatch.setenv(caches.ROLLBACK_ENV, "sometimes")
     with pytest.raises(ValueError, match="DFLASH2_MLX_ROLLBACK='sometimes' is not one of auto, keep, replay"):
@@ -83,7 +84,8 @@ def test_rollback_setting_rejects_an_unknown_value_in_one_line(monkeypatch):
 def test_auto_rollback_keeps_on_the_cpu_and_replays_on_the_gpu_paths(hybrid_target, monkeypatch):
     """auto: the CPU keeps per-step states (within the bound); where the recurrence is mlx-lm's
     (Metal, or the GPU paths forced on the CPU) rollback replays."""
-    from dflash2_mlx import caches, device
+    from dflash2_mlx.backend import device
+    from dflash2_mlx.caches import target as caches
 
     monkeypatch.delenv(caches.ROLLBACK_ENV, raising=False)
     _, model = hybrid_target
@@ -96,7 +98,7 @@ def test_a_27b_verify_pass_keeps_48_mib_per_layer_within_the_bound():
     """The numbers target.py's comment states: 16 rows x 48 value heads x 128 x 128 float32."""
     from types import SimpleNamespace
 
-    from dflash2_mlx import target
+    from dflash2_mlx.models import target
 
     gdn = SimpleNamespace(num_v_heads=48, head_v_dim=128, head_k_dim=128)
     assert target.kept_state_bytes(gdn, 16) == 48 << 20
@@ -225,7 +227,7 @@ def test_kept_step_states_are_mlx_lms_recurrence_bit_for_bit(steps):
     equals running only the first t + 1 steps."""
     from mlx_lm.models.gated_delta import gated_delta_update
 
-    from dflash2_mlx.target import gated_delta_with_states
+    from dflash2_mlx.models.target import gated_delta_with_states
 
     rng = np.random.default_rng(steps)
     Hk, Hv, Dk, Dv = 2, 4, 32, 16
@@ -266,7 +268,7 @@ def test_on_the_gpu_paths_the_walked_target_is_mlx_lms_forward_bit_for_bit(hybri
     block-sized passes and one-row steps give mlx-lm's own logits exactly."""
     from mlx_lm.models.cache import make_prompt_cache
 
-    from dflash2_mlx import device
+    from dflash2_mlx.backend import device
 
     monkeypatch.setenv(device.PATHS_ENV, "gpu")
     _, model = hybrid_target

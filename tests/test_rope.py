@@ -1,11 +1,11 @@
-"""RoPE from a cos/sin table (``dflash2_mlx.rope``): exactly what the RoPE module computes."""
+"""RoPE from a cos/sin table (``dflash2_mlx.fastpaths.rope``): exactly what the RoPE module computes."""
 
 import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 import pytest
 
-from dflash2_mlx import rope
+from dflash2_mlx.fastpaths import rope
 
 
 @pytest.mark.parametrize("head_dim,dims,base", [(32, 8, 10000.0), (64, 64, 1e7), (128, 128, 1e6)])

@@ -10,12 +10,11 @@ from __future__ import annotations
 import mlx.core as mx
 import numpy as np
 import pytest
-from mlx.utils import tree_flatten
-
 import tiny
+
+from dflash2_mlx.decoding.sampling import SamplingSettings, probabilities, rejection_step
 from dflash2_mlx.engine import GenerationSettings, generate_speculative
-from dflash2_mlx.sampling import SamplingSettings, probabilities, rejection_step
-from dflash2_mlx.target import TargetRunner
+from dflash2_mlx.models.target import TargetRunner
 
 ALPHA = 1e-3
 
@@ -140,7 +139,7 @@ def test_sampling_with_the_controller_matches_the_targets_joint_distribution(pol
     """Plain steps inside the speculative loop, a block after them (drafted and verified ahead of
     the plain step's host sync), and the real controller's own choices (which depend only on
     the past, whatever the machine's timings) keep the exact joint distribution."""
-    from dflash2_mlx.controller import ScheduledBlocks
+    from dflash2_mlx.policies.block_size import ScheduledBlocks
 
     # n = 400: these paths differ from the fixed loop's in where the tokens come from (a plain
     # step's row, an anchor not yet read), and such bugs are gross (lambda in the thousands above)

@@ -6,12 +6,12 @@ from __future__ import annotations
 import random
 
 import pytest
-
 import tiny
+
+from dflash2_mlx.caches.prefix import PrefixCache
 from dflash2_mlx.engine import GenerationSettings, generate_autoregressive, generate_speculative
-from dflash2_mlx.prefix_cache import PrefixCache
+from dflash2_mlx.models.target import TargetRunner
 from dflash2_mlx.server.scheduler import RoundRobin
-from dflash2_mlx.target import TargetRunner
 
 
 def test_a_newcomer_takes_the_next_step_then_everyone_takes_turns():

@@ -14,7 +14,6 @@ from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import pytest
-
 from server_helpers import END_THINK, labelled, metrics, qwen_style_checkpoint, running_server
 
 openai = pytest.importorskip("openai")
@@ -43,7 +42,7 @@ def end_bias(embedded_pair):
     """logit_bias banning the embedded target's end tokens: a completion then runs to its token
     limit or the context whatever the weights predict (the pair may be retrained, and another BLAS
     rounds differently), so tests that need a generation still running get one."""
-    from dflash2_mlx.loading import load_target
+    from dflash2_mlx.models.loading import load_target
 
     return {str(t): -100 for t in load_target(str(embedded_pair[0])).tokenizer.eos_token_ids}
 
@@ -584,7 +583,7 @@ def test_loading_503_timeouts_and_internal_errors(tiny_checkpoints, monkeypatch)
     still queued at its deadline gets a 503; an unexpected failure is a 500 naming the request id."""
     from fastapi.testclient import TestClient
 
-    from dflash2_mlx.loading import load_target
+    from dflash2_mlx.models.loading import load_target
     from dflash2_mlx.server import ServerConfig, create_app
     from dflash2_mlx.server import params as params_module
     from dflash2_mlx.server.worker import Job, Worker

@@ -14,7 +14,6 @@ from typing import Literal
 import httpx
 import pytest
 from pydantic import BaseModel
-
 from server_helpers import running_server
 
 openai = pytest.importorskip("openai")

@@ -9,7 +9,6 @@ from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import pytest
-
 from server_helpers import metrics, running_server
 
 NO_EOS = {"0": -100, "2": -100}  # the embedded pair's end tokens: lengths are exactly max_tokens

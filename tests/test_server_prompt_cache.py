@@ -9,8 +9,6 @@ import json
 import signal
 
 import httpx
-import pytest
-
 from server_helpers import metrics, running_server
 
 NO_EOS = {"0": -100, "2": -100}

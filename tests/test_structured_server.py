@@ -11,7 +11,6 @@ from __future__ import annotations
 import json
 
 import pytest
-
 from server_helpers import running_server
 
 jsonschema = pytest.importorskip("jsonschema")

@@ -12,13 +12,13 @@ import json
 import mlx.core as mx
 import numpy as np
 import pytest
+import tiny
 from mlx.utils import tree_flatten
 from safetensors.numpy import load_file
 
-import tiny
-from dflash2_mlx.config import DFLASH1, DFLASH2
-from dflash2_mlx.loading import load_drafter, load_target
-from dflash2_mlx.selector import top_k_candidates
+from dflash2_mlx.models.drafter_config import DFLASH1, DFLASH2
+from dflash2_mlx.models.loading import load_drafter, load_target
+from dflash2_mlx.models.selector import top_k_candidates
 from dflash2_mlx.training.data import generate_training_sequences, sample_windows
 from dflash2_mlx.training.drafter_trainer import (
     STATE_DIR,
@@ -604,7 +604,7 @@ def test_missing_mask_token_is_a_clear_error(target):
         def get_vocab(self):
             return {"a": 0}
 
-    from dflash2_mlx.loading import Target
+    from dflash2_mlx.models.loading import Target
 
     bare = Target(target.runner, NoMask(), target.config, "x", target.path)
     with pytest.raises(ValueError, match="<\\|mask\\|>"):

@@ -11,10 +11,10 @@ import os
 import subprocess
 import sys
 
-import dflash2_mlx  # noqa: F401  (OpenBLAS before mlx.core, when this file runs first)
 import mlx.core as mx
 import pytest
 
+import dflash2_mlx  # noqa: F401  (OpenBLAS before mlx.core, when this file runs first)
 from dflash2_mlx.training import build_demo_pair as build
 from dflash2_mlx.training import corpus
 from dflash2_mlx.training import target_trainer as tt
@@ -238,7 +238,7 @@ def test_five_steps_reduce_loss_and_save_a_loadable_generating_target(small_toke
     from tokenizers import Tokenizer
 
     from dflash2_mlx.engine import GenerationSettings, generate_autoregressive
-    from dflash2_mlx.loading import load_target
+    from dflash2_mlx.models.loading import load_target
 
     tok = Tokenizer.from_file(str(small_tokenizer_dir / "a" / "tokenizer.json"))
     files = [f for f in corpus.load_corpus(limit=12) if not f.held_out]
@@ -322,7 +322,7 @@ def test_the_ablation_trains_on_the_builds_own_drafter_data_and_caches_it(tmp_pa
     """The ablation's drafters see exactly what the build's drafter does (greedy then sampled
     continuations of the embedded target), generated once per work directory."""
     from dflash2_mlx.assets import demo_target_path
-    from dflash2_mlx.loading import load_target
+    from dflash2_mlx.models.loading import load_target
     from dflash2_mlx.training import ablation
 
     plan = build.QUICK

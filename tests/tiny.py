@@ -10,9 +10,9 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_flatten, tree_map
 
-from dflash2_mlx.config import DFLASH1, DFLASH2, DrafterConfig
-from dflash2_mlx.drafter import Drafter
-from dflash2_mlx.target import TargetRunner
+from dflash2_mlx.models.drafter import Drafter
+from dflash2_mlx.models.drafter_config import DFLASH1, DFLASH2, DrafterConfig
+from dflash2_mlx.models.target import TargetRunner
 
 VOCAB = 300  # 256 byte tokens + specials; small enough for exact distribution tests
 MASK_ID = 299
@@ -182,7 +182,6 @@ def save_drafter(drafter: Drafter, path: Path) -> Path:
 def write_tokenizer(path: Path) -> None:
     """A byte-level tokenizer over the 300-token vocabulary, with a chat template."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
-
     from tokenizers.pre_tokenizers import ByteLevel
 
     alphabet = ByteLevel.alphabet()

@@ -25,8 +25,13 @@ def _root() -> None:
     """Lossless DFlash 2 speculative decoding on MLX."""
 
 
-from .common import UserError  # noqa: E402  (re-exported: commands raise it, main() prints it)
-from .common import block_size_option, draft_option, model_option, preset_option  # noqa: E402
+from dflash2_mlx.cli.common import (  # noqa: E402
+    UserError,  # noqa: E402  (re-exported: commands raise it, main() prints it)
+    block_size_option,
+    draft_option,
+    model_option,
+    preset_option,
+)
 
 
 @app.command()
@@ -54,11 +59,18 @@ def generate(
     With no --model it runs the embedded tiny code-completion demo pair (a code model: pair it
     with --ignore-chat-template and a code prefix, e.g. --prompt "def fibonacci(n):").
     """
+    from dflash2_mlx.cli.common import (
+        check_positive,
+        choose_models,
+        controller_line,
+        load_models,
+        parse_block_size,
+        read_json_schema,
+        sampling_settings,
+        schema_grammar,
+    )
     from dflash2_mlx.engine import GenerationSettings, generate_autoregressive, generate_speculative
-    from dflash2_mlx.text import encode_prompt
-
-    from .common import (check_positive, choose_models, controller_line, load_models, parse_block_size,
-                         read_json_schema, sampling_settings, schema_grammar)
+    from dflash2_mlx.text.stops import encode_prompt
 
     check_positive("--max-tokens", max_tokens)
     schema = read_json_schema(json_schema) if json_schema is not None else None
@@ -134,9 +146,11 @@ def doctor(
     import mlx.core as mx
     from huggingface_hub import constants as hf
 
-    from dflash2_mlx import __version__, blas, caches, device, kernels
-
-    from .common import check_positive, fail
+    from dflash2_mlx import __version__
+    from dflash2_mlx.backend import blas, device
+    from dflash2_mlx.caches import target as caches
+    from dflash2_mlx.cli.common import check_positive, fail
+    from dflash2_mlx.kernels import dispatch as kernels
 
     backend = device.backend()
     info = mx.device_info() if hasattr(mx, "device_info") else {}
@@ -172,7 +186,7 @@ def doctor(
 
 
 def _rollback_line(setting: str) -> str:
-    from dflash2_mlx import device
+    from dflash2_mlx.backend import device
 
     where = "CPU: each verify pass keeps its per-step states" if not device.metal_gpu() else \
         "Metal: rollback replays the recurrence from the verify pass's recorded inputs"
@@ -189,9 +203,8 @@ def _exactness_line(backend: str) -> str:
 
 
 def _write_report(path, model, draft_model, preset, prompts, tokens, speed_tokens, long) -> bool:
-    from dflash2_mlx import doctor_report
-
-    from .common import choose_models, embedded_prompts, encode_line, encode_messages, load_models
+    from dflash2_mlx.cli.common import choose_models, embedded_prompts, encode_line, encode_messages, load_models
+    from dflash2_mlx.diagnostics import doctor_report
 
     choice = choose_models(model, draft_model, preset)
     target, drafter = load_models(choice, quiet=True)
@@ -218,11 +231,10 @@ def _self_test(max_tokens: int = 48) -> tuple[bool, str]:
     divergence passes only within the measured rounding bound, see doctor_report)."""
     import time
 
-    from dflash2_mlx import doctor_report
+    from dflash2_mlx.cli.common import ModelChoice, embedded_pair, embedded_prompts, encode_line, load_models
+    from dflash2_mlx.diagnostics import doctor_report
     from dflash2_mlx.engine import GenerationSettings, generate_autoregressive, generate_speculative
-    from dflash2_mlx.loading import LoadError
-
-    from .common import embedded_pair, embedded_prompts, encode_line, load_models, ModelChoice
+    from dflash2_mlx.models.loading import LoadError
 
     pair = embedded_pair()
     if pair is None:
@@ -256,13 +268,13 @@ def _self_test(max_tokens: int = 48) -> tuple[bool, str]:
 
 def _register() -> None:
     """The commands that live in their own modules (imported here so `--help` lists them)."""
-    from .bench import bench_command
-    from .chat import chat_command
-    from .convert import convert_command
-    from .demo import demo_command
-    from .download import download_command
-    from .serve import serve_command
-    from .train import train_drafter_command
+    from dflash2_mlx.cli.bench import bench_command
+    from dflash2_mlx.cli.chat import chat_command
+    from dflash2_mlx.cli.convert import convert_command
+    from dflash2_mlx.cli.demo import demo_command
+    from dflash2_mlx.cli.download import download_command
+    from dflash2_mlx.cli.serve import serve_command
+    from dflash2_mlx.cli.train import train_drafter_command
 
     app.command("chat")(chat_command)
     app.command("demo")(demo_command)
@@ -303,7 +315,7 @@ def _memory_line(info: dict) -> str:
 def main() -> None:
     """Console entry point: runs the app and turns user errors into one line on stderr."""
     from dflash2_mlx.engine import PromptTooLong
-    from dflash2_mlx.loading import LoadError
+    from dflash2_mlx.models.loading import LoadError
 
     try:
         app(standalone_mode=False)

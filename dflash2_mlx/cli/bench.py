@@ -8,7 +8,7 @@ from typing import Optional
 
 import typer
 
-from .common import (
+from dflash2_mlx.cli.common import (
     block_size_option,
     check_positive,
     choose_models,
@@ -53,7 +53,7 @@ def bench_command(
     """
     from rich.console import Console
 
-    from dflash2_mlx import bench
+    from dflash2_mlx.diagnostics import bench
     from dflash2_mlx.engine import GenerationSettings
 
     check_positive("--max-tokens", max_tokens)
@@ -156,7 +156,7 @@ def _modes(controller: Optional[dict]) -> str:
 def _profile_table(profiled: dict):
     from rich.table import Table
 
-    from dflash2_mlx.profiling import DESCRIPTIONS, PHASES
+    from dflash2_mlx.decoding.profiling import DESCRIPTIONS, PHASES
 
     step = profiled.get("ar_step_ms")
     per_cycle = profiled["ms_per_cycle"]

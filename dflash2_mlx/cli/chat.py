@@ -17,12 +17,12 @@ from typing import Optional
 
 import typer
 
-from .common import (
+from dflash2_mlx.cli.common import (
     block_size_option,
     chat_sampling,
     check_positive,
-    controller_line,
     choose_models,
+    controller_line,
     draft_option,
     encode_messages,
     fail,
@@ -30,8 +30,8 @@ from .common import (
     generation_defaults,
     load_models,
     message_boundaries,
-    parse_block_size,
     model_option,
+    parse_block_size,
     preset_option,
     printable,
     prompt_cache_location,
@@ -39,7 +39,7 @@ from .common import (
     read_json_schema,
     schema_grammar,
 )
-from .line_reader import read_line_function
+from dflash2_mlx.cli.line_reader import read_line_function
 
 DEFAULT_MAX_TOKENS = 2048  # when neither --max-tokens nor the model's generation_config.json sets one
 
@@ -225,7 +225,7 @@ class ChatSession:
     def __init__(self, target, drafter, settings, console, system: Optional[str], thinking: Optional[bool],
                  show_thinking: bool, cache_bytes: int, label: str, disk=None, schema: Optional[dict] = None,
                  schema_path: Optional[str] = None):
-        from dflash2_mlx.prefix_cache import PrefixCache
+        from dflash2_mlx.caches.prefix import PrefixCache
 
         self.target, self.drafter, self.settings = target, drafter, settings
         self.tokenizer = target.tokenizer
@@ -262,9 +262,8 @@ class ChatSession:
         return start in tail and tail.rfind(start) > tail.rfind(end)
 
     def answer(self, user_text: str) -> Optional[Turn]:
+        from dflash2_mlx.cli.common import UserError
         from dflash2_mlx.engine import PromptTooLong, generate_autoregressive, generate_speculative
-
-        from .common import UserError
 
         self.messages.append({"role": "user", "content": user_text})
         try:
@@ -383,7 +382,7 @@ class ChatSession:
         return True
 
     def set_schema(self, arg: str) -> None:
-        from .common import UserError
+        from dflash2_mlx.cli.common import UserError
 
         c = self.console
         if not arg:
@@ -595,7 +594,7 @@ def chat_command(
     console = Console(highlight=False)
     disk = None
     if cache_dir is not None and prompt_cache_gb > 0:
-        from dflash2_mlx.disk_cache import open_disk_cache
+        from dflash2_mlx.caches.disk import open_disk_cache
 
         disk = open_disk_cache(cache_dir, int(prompt_cache_gb * 2**30), target, drafter)
     session = ChatSession(target, drafter, settings, console, system, thinking, show_thinking,

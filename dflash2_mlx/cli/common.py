@@ -24,7 +24,7 @@ MODEL_HELP = ("Target model: local directory or Hugging Face repo id (downloaded
               "Default: the embedded tiny demo pair, when installed.")
 DRAFT_HELP = "DFlash / DFlash 2 drafter for the target: directory or repo id."
 def _preset_help() -> str:
-    from dflash2_mlx.presets import PRESETS
+    from dflash2_mlx.models.presets import PRESETS
 
     return ("A named target + drafter pair, downloaded on first use: "
             + "; ".join(f"{p.name} ({p.memory_line()})" for p in PRESETS.values()) + ". See docs/cli.md.")
@@ -129,7 +129,7 @@ def choose_models(model: Optional[str], draft_model: Optional[str], preset: Opti
                   need_draft: bool = True) -> ModelChoice:
     """Resolve --model / --draft-model / --preset / the embedded default into two specs."""
     if preset is not None:
-        from dflash2_mlx.presets import UnknownPreset, get_preset
+        from dflash2_mlx.models.presets import UnknownPreset, get_preset
 
         if model is not None:
             fail("--preset and --model are exclusive: a preset names its own target")
@@ -155,7 +155,7 @@ def load_models(choice: ModelChoice, block_size: Optional[int] = None, quiet: bo
     """Load the target (and drafter), validate the pair; returns (Target, Drafter | None)."""
     from rich.console import Console
 
-    from dflash2_mlx.loading import freeze_loaded_objects, load_pair
+    from dflash2_mlx.models.loading import freeze_loaded_objects, load_pair
 
     console = Console(stderr=True)
     with console.status(f"loading {choice.label} ...") if not quiet and console.is_terminal else _null():
@@ -168,8 +168,8 @@ def load_models(choice: ModelChoice, block_size: Optional[int] = None, quiet: bo
 
 
 def warn_if_reference_blas() -> None:
-    """One line on stderr when the CPU matmuls have no optimised BLAS (see dflash2_mlx.blas)."""
-    from dflash2_mlx import blas
+    """One line on stderr when the CPU matmuls have no optimised BLAS (see dflash2_mlx.backend.blas)."""
+    from dflash2_mlx.backend import blas
 
     warning = blas.reference_blas_warning()
     if warning is not None:
@@ -185,7 +185,7 @@ class _null:
 
 
 def sampling_settings(temp: float, top_p: float = 1.0, top_k: int = 0, min_p: float = 0.0):
-    from dflash2_mlx.sampling import SamplingSettings
+    from dflash2_mlx.decoding.sampling import SamplingSettings
 
     try:
         return SamplingSettings(temperature=temp, top_p=top_p, top_k=top_k, min_p=min_p)
@@ -243,7 +243,7 @@ def encode_line(tokenizer, line: dict, **template_kwargs) -> list[int]:
     """A bench/demo prompt line: {"prompt": text} fed as is, {"messages": [...]} templated."""
     if "messages" in line:
         return encode_messages(tokenizer, line["messages"], **template_kwargs)
-    from dflash2_mlx.text import encode_prompt
+    from dflash2_mlx.text.stops import encode_prompt
 
     return encode_prompt(tokenizer, line["prompt"], use_chat_template=False)
 
@@ -293,7 +293,7 @@ def chat_sampling(model_dir: Path, temp, top_p, top_k, min_p):
 
 def prompt_cache_location(value: Optional[str]) -> Optional[Path]:
     """``--prompt-cache-dir``: None -> the default directory; 'none' (or '') -> off."""
-    from dflash2_mlx.disk_cache import default_dir
+    from dflash2_mlx.caches.disk import default_dir
 
     if value is None:
         return default_dir()
@@ -316,7 +316,7 @@ def read_json_schema(path: str, option: str = "--json-schema") -> dict:
     import json
     from pathlib import Path
 
-    from dflash2_mlx.constrained import GrammarError, json_schema_rules
+    from dflash2_mlx.constraints.grammar import GrammarError, json_schema_rules
 
     file = Path(path).expanduser()
     try:
@@ -334,7 +334,7 @@ def read_json_schema(path: str, option: str = "--json-schema") -> dict:
 
 def schema_grammar(schema: dict, tokenizer, prompt: Sequence[int]):
     """The grammar forcing the answer to ``prompt`` into ``schema`` (after any reasoning block)."""
-    from dflash2_mlx.constrained import Grammar, reasoning_end_for
+    from dflash2_mlx.constraints.grammar import Grammar, reasoning_end_for
 
     return Grammar.json_schema(schema, tokenizer, sorted(tokenizer.eos_token_ids),
                                reasoning_end=reasoning_end_for(tokenizer, prompt))

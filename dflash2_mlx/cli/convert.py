@@ -18,7 +18,7 @@ from typing import Optional
 
 import typer
 
-from .common import fail
+from dflash2_mlx.cli.common import fail
 
 DTYPES = ("bfloat16", "float16", "float32")
 # Drafter modules kept unquantized (besides norms and plain arrays, which are never quantized):
@@ -45,7 +45,7 @@ def convert_drafter(src: Path, out: Path, quantize: bool, bits: int, group_size:
     import mlx.nn as nn
     from mlx.utils import tree_flatten, tree_map
 
-    from dflash2_mlx.loading import load_drafter
+    from dflash2_mlx.models.loading import load_drafter
 
     drafter = load_drafter(str(src))
     target_dtype = getattr(mx, dtype)
@@ -74,7 +74,7 @@ def convert_drafter(src: Path, out: Path, quantize: bool, bits: int, group_size:
 
 
 def is_drafter_config(config: dict) -> bool:
-    from dflash2_mlx.config import ARCHITECTURES
+    from dflash2_mlx.models.drafter_config import ARCHITECTURES
 
     return "dflash_config" in config or bool(set(config.get("architectures") or ()) & set(ARCHITECTURES))
 
@@ -98,7 +98,7 @@ def convert_command(
     in bf16 (4-bit drafters are reported to collapse acceptance). The output is checked by
     loading it back with dflash2-mlx's own loaders.
     """
-    from dflash2_mlx.loading import LoadError, _read_json, load_drafter, load_target, resolve
+    from dflash2_mlx.models.loading import LoadError, _read_json, load_drafter, load_target, resolve
 
     if q_bits is not None and q_bits not in (4, 8):
         fail(f"--q-bits must be 4 or 8, got {q_bits}")

@@ -15,7 +15,7 @@ from typing import Optional
 
 import typer
 
-from .common import (
+from dflash2_mlx.cli.common import (
     block_size_option,
     check_positive,
     choose_models,
@@ -88,7 +88,7 @@ def _panel(rec: Recording, t: float, final: bool, height: int, width: int, conso
 def _summary(spec: Recording, ar: Recording, identical: Optional[bool]):
     from rich.text import Text
 
-    from .bench import bar
+    from dflash2_mlx.cli.bench import bar
 
     s, a = spec.stats, ar.stats
     speedup = s.decode_tps / a.decode_tps if a.decode_tps else None
@@ -155,7 +155,7 @@ def demo_command(
     from rich.console import Console
     from rich.live import Live
 
-    from dflash2_mlx.bench import BUILTIN_PROMPTS
+    from dflash2_mlx.diagnostics.bench import BUILTIN_PROMPTS
     from dflash2_mlx.engine import GenerationSettings, generate_autoregressive, generate_speculative
 
     check_positive("--max-tokens", max_tokens)

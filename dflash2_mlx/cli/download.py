@@ -13,7 +13,7 @@ from typing import Optional
 
 import typer
 
-from .common import fail
+from dflash2_mlx.cli.common import fail
 
 
 def _size(path: Path) -> int:
@@ -32,11 +32,10 @@ def download_command(
     Gated repos need `hf auth login` after accepting the license on huggingface.co; with
     HF_HUB_OFFLINE=1 only repos already in the cache resolve.
     """
-    from dflash2_mlx.config import ConfigError, DrafterConfig
-    from dflash2_mlx.loading import resolve
-    from dflash2_mlx.presets import PRESETS, UnknownPreset, get_preset
-
-    from .convert import is_drafter_config
+    from dflash2_mlx.cli.convert import is_drafter_config
+    from dflash2_mlx.models.drafter_config import ConfigError, DrafterConfig
+    from dflash2_mlx.models.loading import resolve
+    from dflash2_mlx.models.presets import PRESETS, UnknownPreset, get_preset
 
     if preset is not None:
         if repo is not None or draft:
@@ -46,7 +45,7 @@ def download_command(
         except UnknownPreset as e:
             fail(e.args[0])
         jobs = [(p.target, False), (p.drafter, True)]
-        from dflash2_mlx import memory
+        from dflash2_mlx.models import memory
 
         try:  # a pair this machine cannot run is not worth 19 GB of download
             memory.preflight(p.target, p.drafter, label=f"preset {p.name}")

@@ -12,7 +12,7 @@ from typing import List, Optional
 
 import typer
 
-from .common import block_size_option, prompt_cache_option
+from dflash2_mlx.cli.common import block_size_option, prompt_cache_option
 
 
 def serve_command(
@@ -38,7 +38,13 @@ def serve_command(
 ) -> None:
     """Serve the model over HTTP: OpenAI (/v1/chat/completions, /v1/completions, /v1/responses,
     /v1/models) and Anthropic (/v1/messages) APIs, plus /health and /metrics."""
-    from .common import choose_models, fail, parse_block_size, prompt_cache_location, warn_if_reference_blas
+    from dflash2_mlx.cli.common import (
+        choose_models,
+        fail,
+        parse_block_size,
+        prompt_cache_location,
+        warn_if_reference_blas,
+    )
 
     for name, value, low in (("--max-queue", max_queue, 1), ("--max-concurrent", max_concurrent, 1),
                              ("--default-max-tokens", default_max_tokens, 1),
@@ -64,7 +70,7 @@ def serve_command(
     origins = [o.strip() for item in allowed_origins for o in item.split(",") if o.strip()]
     choice = choose_models(model, draft_model, None, need_draft=not no_draft)
     _check_local_paths(choice)
-    from dflash2_mlx import memory
+    from dflash2_mlx.models import memory
 
     try:  # before the worker downloads anything: a pair that cannot fit ends here, in one line
         memory.preflight(choice.target, choice.drafter, max_context, label=choice.label)
@@ -112,15 +118,16 @@ def serve_command(
                f"at http://{shown}:{bound_port}/v1 (loading the model; /health answers 200 when ready)", err=True)
     server.run(sockets=[sock])
     if worker.error:
-        from dflash2_mlx.loading import LoadError
+        from dflash2_mlx.models.loading import LoadError
 
         raise LoadError(worker.error)
 
 
 def _check_local_paths(choice) -> None:
     """Refuse a missing local directory at once (repo ids are resolved, and downloaded, by the worker)."""
-    from dflash2_mlx.loading import resolve
     from pathlib import Path
+
+    from dflash2_mlx.models.loading import resolve
 
     for spec, what in ((choice.target, "model"), (choice.drafter, "draft model")):
         if spec is None:

@@ -24,11 +24,11 @@ TEXT_SUFFIXES = (".txt", ".md")
 def _user_error(message: str) -> Exception:
     """The app's one-line error type (LoadError when the app module is not importable)."""
     try:
-        from dflash2_mlx.cli.app import UserError
+        from dflash2_mlx.cli.common import UserError
 
         return UserError(message)
     except Exception:  # pragma: no cover - the app module always exists in an installed package
-        from dflash2_mlx.loading import LoadError
+        from dflash2_mlx.models.loading import LoadError
 
         return LoadError(message)
 
@@ -170,7 +170,7 @@ def train_drafter_command(
     no_progress: bool = typer.Option(False, "--no-progress", help="No progress bars."),
 ) -> None:
     """Train a DFlash 2 drafter (DFlash 1 with --no-convs --no-selector) on the target's own greedy continuations."""
-    from dflash2_mlx.loading import load_target
+    from dflash2_mlx.models.loading import load_target
     from dflash2_mlx.training.drafter_trainer import DrafterTrainingConfig, load_checkpoint_state, train_drafter
 
     config = DrafterTrainingConfig(
@@ -215,7 +215,7 @@ def train_drafter_command(
     state = load_checkpoint_state(out) or {}
     summary = f"drafter written to {out} after {state.get('step', '?')} steps"
     if held:
-        from dflash2_mlx.loading import load_drafter
+        from dflash2_mlx.models.loading import load_drafter
         from dflash2_mlx.training.drafter_trainer import STATE_DIR, evaluate_drafter
 
         metrics = evaluate_drafter(target, load_drafter(str(out)), sequences[:held], continuation_start=prefix_len)
@@ -226,6 +226,6 @@ def train_drafter_command(
 
 
 def _resolve_init(init: str) -> Path:
-    from dflash2_mlx.loading import resolve
+    from dflash2_mlx.models.loading import resolve
 
     return resolve(init, "init drafter")

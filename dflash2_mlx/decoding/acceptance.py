@@ -12,7 +12,7 @@ from typing import Callable, NamedTuple, Optional
 
 import mlx.core as mx
 
-from ..sampling import SamplingSettings, probabilities, rejection_step, sample
+from dflash2_mlx.decoding.sampling import SamplingSettings, probabilities, rejection_step, sample
 
 
 class Verdict(NamedTuple):

@@ -7,12 +7,12 @@ from typing import Iterator, Optional, Sequence
 
 import mlx.core as mx
 
-from ..prefix_cache import PrefixCache, PrefixEntry
-from ..target import TargetRunner
-from .picking import logprob_list, pick_token, token_logprobs
-from .prefill import prefill_and_pick
-from .setup import start_request
-from .types import GenerationEvent, GenerationSettings
+from dflash2_mlx.caches.prefix import PrefixCache, PrefixEntry
+from dflash2_mlx.decoding.picking import logprob_list, pick_token, token_logprobs
+from dflash2_mlx.decoding.prefill import prefill_and_pick
+from dflash2_mlx.decoding.setup import start_request
+from dflash2_mlx.decoding.types import GenerationEvent, GenerationSettings
+from dflash2_mlx.models.target import TargetRunner
 
 
 def generate_autoregressive(

@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import mlx.core as mx
 
-from ..drafter import ContextCache, Drafter
+from dflash2_mlx.caches.drafter_context import ContextCache
+from dflash2_mlx.models.drafter import Drafter
 
 UNSEEN_BATCH = 32  # plain steps' feature rows are moved into the drafter's context this many at a time
 

@@ -14,18 +14,19 @@ from typing import Generator, NamedTuple, Optional, Sequence
 
 import mlx.core as mx
 
-from ..batched_verify import VerifyRequest, VerifyResult
-from ..caches import TargetCache
-from ..constrained import GrammarState
-from ..drafter import ContextCache, Drafter
-from ..prefix_cache import PrefixCache, PrefixEntry
-from ..sampling import apply_processors
-from ..target import TargetRunner
-from .acceptance import Verdict, accept_rule, plain_step_token
-from .context_feed import ContextFeed
-from .drafting import Draft, Drafting, pick_for
-from .hooks import grammar_hooks, profiler_or_none
-from .types import GenerationSettings
+from dflash2_mlx.caches.drafter_context import ContextCache
+from dflash2_mlx.caches.prefix import PrefixCache, PrefixEntry
+from dflash2_mlx.caches.target import TargetCache
+from dflash2_mlx.constraints.grammar import GrammarState
+from dflash2_mlx.decoding.acceptance import Verdict, accept_rule, plain_step_token
+from dflash2_mlx.decoding.batched_verify import VerifyRequest, VerifyResult
+from dflash2_mlx.decoding.context_feed import ContextFeed
+from dflash2_mlx.decoding.drafting import Draft, Drafting, pick_for
+from dflash2_mlx.decoding.hooks import grammar_hooks, profiler_or_none
+from dflash2_mlx.decoding.sampling import apply_processors
+from dflash2_mlx.decoding.types import GenerationSettings
+from dflash2_mlx.models.drafter import Drafter
+from dflash2_mlx.models.target import TargetRunner
 
 
 class Verified(NamedTuple):

@@ -18,11 +18,11 @@ from typing import NamedTuple, Optional, Protocol
 
 import mlx.core as mx
 
-from ..constrained import GrammarState
-from ..drafter import Drafter
-from ..sampling import SamplingSettings, probabilities, sample
-from ..target import TargetRunner
-from .context_feed import ContextFeed
+from dflash2_mlx.constraints.grammar import GrammarState
+from dflash2_mlx.decoding.context_feed import ContextFeed
+from dflash2_mlx.decoding.sampling import SamplingSettings, probabilities, sample
+from dflash2_mlx.models.drafter import Drafter
+from dflash2_mlx.models.target import TargetRunner
 
 
 class SelectorWalk(NamedTuple):

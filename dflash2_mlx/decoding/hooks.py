@@ -12,8 +12,8 @@ from typing import Optional, Sequence, Union
 
 import mlx.core as mx
 
-from ..constrained import GrammarState
-from ..profiling import CycleProfiler
+from dflash2_mlx.constraints.grammar import GrammarState
+from dflash2_mlx.decoding.profiling import CycleProfiler
 
 
 class NoGrammar:

@@ -11,8 +11,8 @@ from typing import Iterator, Optional
 
 import mlx.core as mx
 
-from ..text import StopStrings
-from .types import GenerationEvent, GenerationSettings, GenerationStats
+from dflash2_mlx.decoding.types import GenerationEvent, GenerationSettings, GenerationStats
+from dflash2_mlx.text.stops import StopStrings
 
 
 class OutputCollector:

@@ -11,8 +11,8 @@ from typing import Optional, Union
 
 import mlx.core as mx
 
-from ..sampling import apply_processors, probabilities, sample
-from .types import GenerationSettings
+from dflash2_mlx.decoding.sampling import apply_processors, probabilities, sample
+from dflash2_mlx.decoding.types import GenerationSettings
 
 
 def pick_token(logits: mx.array, history: Union[list[int], mx.array, None], settings: GenerationSettings,

@@ -11,12 +11,12 @@ from typing import Generator, Optional, Sequence
 
 import mlx.core as mx
 
-from ..drafter import Drafter
-from ..prefix_cache import PrefixCache, PrefixEntry
-from ..target import TargetRunner
-from .output import OutputCollector
-from .picking import pick_token
-from .types import Cancelled, GenerationEvent, GenerationSettings
+from dflash2_mlx.caches.prefix import PrefixCache, PrefixEntry
+from dflash2_mlx.decoding.output import OutputCollector
+from dflash2_mlx.decoding.picking import pick_token
+from dflash2_mlx.decoding.types import Cancelled, GenerationEvent, GenerationSettings
+from dflash2_mlx.models.drafter import Drafter
+from dflash2_mlx.models.target import TargetRunner
 
 
 def prefill(

@@ -9,9 +9,9 @@ from typing import Sequence
 
 import mlx.core as mx
 
-from ..target import TargetRunner
-from .output import OutputCollector
-from .types import GenerationSettings, GenerationStats, PromptTooLong
+from dflash2_mlx.decoding.output import OutputCollector
+from dflash2_mlx.decoding.types import GenerationSettings, GenerationStats, PromptTooLong
+from dflash2_mlx.models.target import TargetRunner
 
 
 def check_prompt(prompt: Sequence[int], runner: TargetRunner, settings: GenerationSettings) -> int:

@@ -12,19 +12,19 @@ from typing import Generator, Iterator, Optional, Sequence, Union
 
 import mlx.core as mx
 
-from ..batched_verify import VerifyRequest, VerifyResult, answer_alone
-from ..controller import BlockPolicy, policy_for
-from ..drafter import Drafter
-from ..prefix_cache import PrefixCache
-from ..sampling import SamplingSettings
-from ..target import TargetRunner
-from .cycle import NOTHING_AHEAD, SpeculativeRequest
-from .hooks import CycleClock
-from .output import collect
-from .picking import emitted_logprobs
-from .prefill import prefill_and_pick
-from .setup import start_request
-from .types import GenerationEvent, GenerationSettings
+from dflash2_mlx.caches.prefix import PrefixCache
+from dflash2_mlx.decoding.batched_verify import VerifyRequest, VerifyResult, answer_alone
+from dflash2_mlx.decoding.cycle import NOTHING_AHEAD, SpeculativeRequest
+from dflash2_mlx.decoding.hooks import CycleClock
+from dflash2_mlx.decoding.output import collect
+from dflash2_mlx.decoding.picking import emitted_logprobs
+from dflash2_mlx.decoding.prefill import prefill_and_pick
+from dflash2_mlx.decoding.sampling import SamplingSettings
+from dflash2_mlx.decoding.setup import start_request
+from dflash2_mlx.decoding.types import GenerationEvent, GenerationSettings
+from dflash2_mlx.models.drafter import Drafter
+from dflash2_mlx.models.target import TargetRunner
+from dflash2_mlx.policies.block_size import BlockPolicy, policy_for
 
 
 def speculative_steps(

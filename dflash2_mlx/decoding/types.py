@@ -10,10 +10,10 @@ import threading
 from dataclasses import dataclass, field
 from typing import Optional, Sequence
 
-from ..constrained import Grammar
-from ..controller import BlockPolicy
-from ..profiling import CycleProfiler
-from ..sampling import LogitsProcessor, SamplingSettings
+from dflash2_mlx.constraints.grammar import Grammar
+from dflash2_mlx.decoding.profiling import CycleProfiler
+from dflash2_mlx.decoding.sampling import LogitsProcessor, SamplingSettings
+from dflash2_mlx.policies.block_size import BlockPolicy
 
 
 class PromptTooLong(ValueError):

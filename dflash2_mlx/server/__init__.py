@@ -7,6 +7,6 @@ request's lifecycle: waiting, streaming, disconnects, timeouts), ``params`` (sam
 engine settings), ``structured`` (JSON mode, JSON schemas and forced tool calls as one output constraint), ``schemas``, ``errors``, ``metrics``.
 """
 
-from .app import ServerConfig, create_app
+from dflash2_mlx.server.app import ServerConfig, create_app
 
 __all__ = ["ServerConfig", "create_app"]

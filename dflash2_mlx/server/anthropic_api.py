@@ -8,12 +8,12 @@ import time
 import uuid
 from typing import Any, Optional
 
-from .chat import Delta
-from .errors import bad_request
-from .params import build_params, check_max_tokens
-from .schemas import MessagesRequest
-from .stream import Accumulator, Formatter, sse
-from .structured import anthropic_tool_choice_constraint, response_format_constraint
+from dflash2_mlx.server.chat import Delta
+from dflash2_mlx.server.errors import bad_request
+from dflash2_mlx.server.params import build_params, check_max_tokens
+from dflash2_mlx.server.schemas import MessagesRequest
+from dflash2_mlx.server.stream import Accumulator, Formatter, sse
+from dflash2_mlx.server.structured import anthropic_tool_choice_constraint, response_format_constraint
 
 
 def _block_text(content, param: str) -> str:
@@ -183,7 +183,7 @@ class MessagesFormatter(Formatter):
         return out
 
     def error(self, err) -> list[bytes]:
-        from .errors import anthropic_body
+        from dflash2_mlx.server.errors import anthropic_body
 
         return [sse(anthropic_body(err), "error")]
 

@@ -20,17 +20,17 @@ from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.responses import JSONResponse, PlainTextResponse
 
-from .anthropic_api import MessagesFormatter
-from .anthropic_api import prepare as prepare_messages
-from .chat import OutputParser, render_chat
-from .errors import APIError, bad_request, context_overflow, describe_validation_error, error_body
-from .metrics import Metrics
-from .openai_api import ChatFormatter, CompletionFormatter, prepare_chat, prepare_completion
-from .responses_api import ResponsesFormatter, ResponsesRequest, renamed, translate
-from .responses_store import DEFAULT_MAX_BYTES, DEFAULT_MAX_ENTRIES, ResponseStore
-from .schemas import ChatCompletionRequest, CompletionRequest, MessagesRequest, ModelCard, ModelList
-from .stream import Accumulator, JobResponse
-from .worker import Job, Worker
+from dflash2_mlx.server.anthropic_api import MessagesFormatter
+from dflash2_mlx.server.anthropic_api import prepare as prepare_messages
+from dflash2_mlx.server.chat import OutputParser, render_chat
+from dflash2_mlx.server.errors import APIError, bad_request, context_overflow, describe_validation_error, error_body
+from dflash2_mlx.server.metrics import Metrics
+from dflash2_mlx.server.openai_api import ChatFormatter, CompletionFormatter, prepare_chat, prepare_completion
+from dflash2_mlx.server.responses_api import ResponsesFormatter, ResponsesRequest, renamed, translate
+from dflash2_mlx.server.responses_store import DEFAULT_MAX_BYTES, DEFAULT_MAX_ENTRIES, ResponseStore
+from dflash2_mlx.server.schemas import ChatCompletionRequest, CompletionRequest, MessagesRequest, ModelCard, ModelList
+from dflash2_mlx.server.stream import Accumulator, JobResponse
+from dflash2_mlx.server.worker import Job, Worker
 
 log = logging.getLogger("dflash2_mlx.server")
 

@@ -16,7 +16,7 @@ import uuid
 from dataclasses import dataclass
 from typing import Any, Optional
 
-from .errors import APIError, bad_request
+from dflash2_mlx.server.errors import APIError, bad_request
 
 log = logging.getLogger("dflash2_mlx.server")
 
@@ -199,7 +199,7 @@ class OutputParser:
         format for this model."""
         from mlx_lm.generate import TextStateMachine
 
-        from .structured import tool_call_markers
+        from dflash2_mlx.server.structured import tool_call_markers
 
         self._sm_cls = TextStateMachine
         self.parse_tools = bool(tool_calls and tools and (forced_tool_calls or getattr(tokenizer, "has_tool_calling", False)))

@@ -7,10 +7,10 @@ import time
 import uuid
 from typing import Optional
 
-from .chat import Delta, openai_messages, openai_tools, template_kwargs
-from .errors import bad_request
-from .params import build_params, check_max_tokens
-from .schemas import (
+from dflash2_mlx.server.chat import Delta, openai_messages, openai_tools, template_kwargs
+from dflash2_mlx.server.errors import bad_request
+from dflash2_mlx.server.params import build_params, check_max_tokens
+from dflash2_mlx.server.schemas import (
     AssistantMessage,
     ChatChoice,
     ChatCompletion,
@@ -24,8 +24,8 @@ from .schemas import (
     Speculative,
     Usage,
 )
-from .stream import Accumulator, Formatter, sse
-from .structured import structured_output
+from dflash2_mlx.server.stream import Accumulator, Formatter, sse
+from dflash2_mlx.server.structured import structured_output
 
 log = logging.getLogger("dflash2_mlx.server")
 
@@ -70,7 +70,7 @@ def refuse_legacy_functions(req: ChatCompletionRequest) -> None:
 
 
 def prepare_completion(req: CompletionRequest, worker, default_max_tokens: int):
-    from dflash2_mlx.text import encode_prompt
+    from dflash2_mlx.text.stops import encode_prompt
 
     if req.echo:
         raise bad_request("echo is not supported", "echo")

@@ -15,9 +15,9 @@ import threading
 from dataclasses import dataclass, field
 from typing import Optional, Sequence
 
-from .errors import bad_request
-from .schemas import MAX_STOP, MAX_TOP_LOGPROBS
-from .structured import OutputConstraint
+from dflash2_mlx.server.errors import bad_request
+from dflash2_mlx.server.schemas import MAX_STOP, MAX_TOP_LOGPROBS
+from dflash2_mlx.server.structured import OutputConstraint
 
 MAX_STOP_CHARS = 512
 MAX_LOGIT_BIAS = 2048
@@ -57,7 +57,7 @@ def build_params(req, *, max_tokens: int, vocab_size: int, defaults: dict, stop=
                  logprobs: bool = False, top_logprobs: int = 0,
                  constraint: Optional[OutputConstraint] = None) -> GenParams:
     """Check the sampling fields shared by all routes (``req`` has temperature, top_p, ... attributes)."""
-    from dflash2_mlx.sampling import SamplingSettings
+    from dflash2_mlx.decoding.sampling import SamplingSettings
 
     n = getattr(req, "n", None)
     if n is not None and n != 1:
@@ -130,8 +130,8 @@ def to_settings(p: GenParams, tokenizer, cancel: threading.Event, prompt: Sequen
     ``block_size``: the server's ``--block-size`` (None: the break-even controller)."""
     from mlx_lm.sample_utils import make_logits_processors
 
+    from dflash2_mlx.decoding.sampling import SamplingSettings
     from dflash2_mlx.engine import GenerationSettings
-    from dflash2_mlx.sampling import SamplingSettings
 
     processors = list(make_logits_processors(
         logit_bias=p.logit_bias or None,
@@ -155,6 +155,6 @@ def to_settings(p: GenParams, tokenizer, cancel: threading.Event, prompt: Sequen
 
 
 def _grammar(constraint: OutputConstraint, tokenizer, stop_ids: list[int], prompt: Sequence[int]):
-    from dflash2_mlx.constrained import reasoning_end_for
+    from dflash2_mlx.constraints.grammar import reasoning_end_for
 
     return constraint.grammar(tokenizer, stop_ids, reasoning_end_for(tokenizer, prompt))

@@ -13,16 +13,16 @@ import json
 import time
 import uuid
 from dataclasses import dataclass, field
-from typing import Any, Dict, List, Literal, Optional, Union
+from typing import Any, Dict, List, Optional, Union
 
 from pydantic import ConfigDict, Field
 
-from .chat import Delta
-from .openai_api import chat_logprobs
-from .errors import APIError, bad_request
-from .responses_store import ChainBroken, ResponseStore
-from .schemas import _Strict
-from .stream import Accumulator, Formatter, sse
+from dflash2_mlx.server.chat import Delta
+from dflash2_mlx.server.errors import APIError, bad_request
+from dflash2_mlx.server.openai_api import chat_logprobs
+from dflash2_mlx.server.responses_store import ChainBroken, ResponseStore
+from dflash2_mlx.server.schemas import _Strict
+from dflash2_mlx.server.stream import Accumulator, Formatter, sse
 
 # Fields of the OpenAI spec that change nothing here when they have these values.
 NO_OP_VALUES = {

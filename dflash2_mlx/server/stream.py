@@ -19,9 +19,9 @@ from typing import Any, Optional
 
 from starlette.responses import Response
 
-from .chat import Delta, OutputParser
-from .errors import APIError, error_bytes
-from .worker import Job, Worker
+from dflash2_mlx.server.chat import Delta, OutputParser
+from dflash2_mlx.server.errors import APIError, error_bytes
+from dflash2_mlx.server.worker import Job, Worker
 
 log = logging.getLogger("dflash2_mlx.server")
 KEEPALIVE_SECONDS = 10.0

@@ -36,7 +36,7 @@ import json
 from dataclasses import dataclass, field
 from typing import Any, Optional, Sequence
 
-from .errors import bad_request
+from dflash2_mlx.server.errors import bad_request
 
 TOOL_CALL_START, TOOL_CALL_END = "<tool_call>", "</tool_call>"
 EMPTY_PARAMETERS = {"type": "object", "properties": {}}
@@ -64,10 +64,10 @@ class OutputConstraint:
         return self.kind == "tool_calls"
 
     def grammar(self, tokenizer, stop_token_ids: Sequence[int], reasoning_end: Sequence[int] = ()):
-        """The engine grammar (``dflash2_mlx.constrained.Grammar``) for this constraint and the
+        """The engine grammar (``dflash2_mlx.constraints.grammar.Grammar``) for this constraint and the
         model's tokenizer (worker thread). ``reasoning_end``: the prompt opened a reasoning block
         that these tokens close; the constraint starts after it."""
-        from dflash2_mlx.constrained import Grammar, json_object_rules, json_schema_rules
+        from dflash2_mlx.constraints.grammar import Grammar, json_object_rules, json_schema_rules
 
         if self.kind == "json_object":
             rules = json_object_rules()
@@ -110,7 +110,7 @@ def response_format_constraint(fmt: Optional[dict], param: str = "response_forma
 
 def check_schema(schema: Any, param: str, strict: bool = False) -> None:
     """400 naming the keyword when the engine cannot enforce ``schema``."""
-    from dflash2_mlx.constrained import GrammarError, json_schema_rules
+    from dflash2_mlx.constraints.grammar import GrammarError, json_schema_rules
 
     if not isinstance(schema, dict):
         raise bad_request(f"{param} must be a JSON Schema object", param)
@@ -197,7 +197,7 @@ def tool_call_markers(tokenizer) -> tuple[str, str]:
 
 def _lark_literal(text: str, tokenizer) -> str:
     """A Lark terminal for ``text``: the token itself when it is one special token of the vocabulary."""
-    from dflash2_mlx.constrained import hf_tokenizer
+    from dflash2_mlx.constraints.grammar import hf_tokenizer
 
     added = getattr(hf_tokenizer(tokenizer), "added_tokens_encoder", {}) or {}
     if text in added:
@@ -208,7 +208,7 @@ def _lark_literal(text: str, tokenizer) -> str:
 def tool_call_rules(constraint: OutputConstraint, tokenizer) -> str:
     """Lark rules (``answer``) for ``<tool_call>\\n{"name": ..., "arguments": {...}}\\n</tool_call>`` (one, or one
     or more separated by newlines), the arguments following the chosen tool's parameters schema."""
-    from dflash2_mlx.constrained import JSON_OPTIONS
+    from dflash2_mlx.constraints.grammar import JSON_OPTIONS
 
     start, end = tool_call_markers(tokenizer)
     calls = [{"type": "object", "properties": {"name": {"const": t.name}, "arguments": t.parameters},

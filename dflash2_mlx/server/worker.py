@@ -23,10 +23,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Iterator, Optional
 
-from .batch_switch import BatchSwitch
-from .errors import APIError, context_overflow
-from .metrics import Metrics
-from .scheduler import RoundRobin
+from dflash2_mlx.policies.batch_switch import BatchSwitch
+from dflash2_mlx.server.errors import APIError, context_overflow
+from dflash2_mlx.server.metrics import Metrics
+from dflash2_mlx.server.scheduler import RoundRobin
 
 log = logging.getLogger("dflash2_mlx.server")
 
@@ -184,7 +184,7 @@ class Worker:
         try:
             self._load()
         except Exception as e:  # LoadError and anything else: the server cannot serve
-            from dflash2_mlx.loading import LoadError
+            from dflash2_mlx.models.loading import LoadError
 
             self.error = str(e) if isinstance(e, LoadError) else f"{type(e).__name__}: {e}"
             if not isinstance(e, LoadError):
@@ -244,16 +244,16 @@ class Worker:
         if self._loader is not None:  # tests: inject already-built objects
             self.target, self.drafter = self._loader()
         else:
-            from dflash2_mlx.loading import load_pair
+            from dflash2_mlx.models.loading import load_pair
 
             self.target, self.drafter = load_pair(self.model_path, self.draft_path, self.max_context_limit)
         if self.drafter is not None and self.block_size is not None and self.block_size > self.drafter.config.block_size:
             raise ValueError(f"--block-size must be at most {self.drafter.config.block_size} for this drafter, got {self.block_size}")
         import mlx.core as mx
 
-        from dflash2_mlx.disk_cache import open_disk_cache
-        from dflash2_mlx.loading import freeze_loaded_objects
-        from dflash2_mlx.prefix_cache import PrefixCache
+        from dflash2_mlx.caches.disk import open_disk_cache
+        from dflash2_mlx.caches.prefix import PrefixCache
+        from dflash2_mlx.models.loading import freeze_loaded_objects
 
         self.tokenizer = self.target.tokenizer
         runner = self.target.runner
@@ -263,7 +263,7 @@ class Worker:
         self.defaults = _generation_defaults(self.target.path)
         # Constrained decoding needs llguidance's view of the tokenizer (seconds at a 248K
         # vocabulary): build it in the background so the first structured request rarely waits.
-        from dflash2_mlx.constrained import grammar_tokenizer
+        from dflash2_mlx.constraints.grammar import grammar_tokenizer
 
         threading.Thread(target=grammar_tokenizer, args=(self.tokenizer, sorted(self.tokenizer.eos_token_ids)),
                          name="grammar-tokenizer", daemon=True).start()
@@ -282,8 +282,7 @@ class Worker:
         from dataclasses import replace
 
         from dflash2_mlx.engine import generate_autoregressive, speculative_steps
-
-        from .params import to_settings
+        from dflash2_mlx.server.params import to_settings
 
         if job.cancel.is_set():
             job.state = "done"
@@ -311,7 +310,7 @@ class Worker:
         """One step of each job (a prefill chunk or a decode cycle), their verify passes batched
         or one each as ``batch_switch`` says (timed for it when every job ran a cycle); hands the
         events over -> per job, True when it has ended."""
-        from dflash2_mlx.batched_verify import Step, step_together
+        from dflash2_mlx.decoding.batched_verify import Step, step_together
 
         batched = self.batch_switch.batch(len(group))
         t0 = time.perf_counter()

@@ -27,9 +27,9 @@ import time
 from pathlib import Path
 from typing import Optional
 
-from .. import blas as _blas  # noqa: F401  (OpenBLAS before mlx.core)
-
 import numpy as np  # noqa: E402
+
+from dflash2_mlx.backend import blas as _blas  # noqa: F401  (OpenBLAS before mlx.core)
 
 VARIANTS = (
     ("DFlash 1", dict(convs=False, selector=False)),
@@ -41,8 +41,8 @@ VARIANTS = (
 
 def training_data(plan, target, work: Path, log) -> tuple[np.ndarray, list[dict]]:
     """The demo build's drafter data and held-out prompts (cached in ``work``: generation takes minutes)."""
-    from . import build_demo_pair as bd
-    from . import corpus as corpus_mod
+    from dflash2_mlx.training import build_demo_pair as bd
+    from dflash2_mlx.training import corpus as corpus_mod
 
     files, train, held = bd.build_corpus(plan, log)
     tok = bd.build_tokenizer(plan, train, work / "tokenizer", log)
@@ -68,8 +68,8 @@ def training_data(plan, target, work: Path, log) -> tuple[np.ndarray, list[dict]
 def evaluate_variant(target, drafter_dir: Path, prompts: list[dict], block_size: int, max_tokens: int,
                      reference: Optional[list[list[int]]]) -> tuple[dict, list[list[int]]]:
     """Acceptance (mean and per position) of one drafter on ``prompts`` at temperature 0."""
-    from ..engine import GenerationSettings, collect, generate_autoregressive, generate_speculative
-    from ..loading import load_drafter
+    from dflash2_mlx.engine import GenerationSettings, collect, generate_autoregressive, generate_speculative
+    from dflash2_mlx.models.loading import load_drafter
 
     drafter = load_drafter(str(drafter_dir))
     tok = target.tokenizer
@@ -121,10 +121,10 @@ def main(argv: Optional[list[str]] = None) -> int:
     ap.add_argument("--max-tokens", type=int, default=None, help="new tokens per prompt (default: the build's)")
     args = ap.parse_args(argv)
 
-    from ..assets import demo_target_path
-    from ..loading import load_target
-    from . import build_demo_pair as bd
-    from .drafter_trainer import DrafterTrainingConfig, train_drafter
+    from dflash2_mlx.assets import demo_target_path
+    from dflash2_mlx.models.loading import load_target
+    from dflash2_mlx.training import build_demo_pair as bd
+    from dflash2_mlx.training.drafter_trainer import DrafterTrainingConfig, train_drafter
 
     plan = bd.FULL
     log = bd.Log()

@@ -35,12 +35,11 @@ from typing import Optional
 
 os.environ.setdefault("RAYON_NUM_THREADS", "2")  # the tokenizers trainer; merges are order-independent anyway
 
-from .. import blas as _blas  # noqa: E402  (OpenBLAS before mlx.core)
-
 import numpy as np  # noqa: E402
 
-from . import corpus as corpus_mod  # noqa: E402
-from . import tokenizer as tok_mod  # noqa: E402
+from dflash2_mlx.backend import blas as _blas  # noqa: E402  (OpenBLAS before mlx.core)
+from dflash2_mlx.training import corpus as corpus_mod  # noqa: E402
+from dflash2_mlx.training import tokenizer as tok_mod  # noqa: E402
 
 THREADS = 2
 TARGET_DIR = "tiny-code-demo-target"
@@ -228,7 +227,7 @@ def build_documents(plan: BuildPlan, tok, train, held, log: Log):
 
 
 def build_target(plan: BuildPlan, tok, docs, held_docs, tok_dir: Path, out_dir: Path, log: Log) -> dict:
-    from . import target_trainer as tt
+    from dflash2_mlx.training import target_trainer as tt
 
     eos = tok.token_to_id(tok_mod.EOS)
     im_end = tok.token_to_id(tok_mod.IM_END)
@@ -274,7 +273,7 @@ def build_target(plan: BuildPlan, tok, docs, held_docs, tok_dir: Path, out_dir: 
 def drafter_data(plan: BuildPlan, target, docs) -> np.ndarray:
     """The drafter's training sequences [N, prefix_len + continuation_len]: corpus prefixes with
     the target's greedy continuations (seed plan.seed + 1), then sampled ones (plan.seed + 2)."""
-    from .data import generate_training_sequences
+    from dflash2_mlx.training.data import generate_training_sequences
 
     seqs = generate_training_sequences(
         target, docs, plan.drafter_sequences, plan.prefix_len, plan.continuation_len, plan.seed + 1,
@@ -290,7 +289,7 @@ def drafter_data(plan: BuildPlan, target, docs) -> np.ndarray:
 
 def build_drafter(plan: BuildPlan, target, docs, work: Path, log: Log) -> dict:
     try:
-        from .drafter_trainer import DrafterTrainingConfig, train_drafter
+        from dflash2_mlx.training.drafter_trainer import DrafterTrainingConfig, train_drafter
     except ImportError as e:
         raise SystemExit(
             f"the drafter trainer is not available ({e}); the target is built, the drafter is not"
@@ -334,9 +333,9 @@ def build_drafter(plan: BuildPlan, target, docs, work: Path, log: Log) -> dict:
 
 
 def evaluate(plan: BuildPlan, target_dir: Path, drafter_dir: Optional[Path], prompts: list[dict], log: Log) -> dict:
-    from ..engine import GenerationSettings, collect, generate_autoregressive, generate_speculative
-    from ..loading import load_drafter, load_target
-    from ..sampling import SamplingSettings
+    from dflash2_mlx.decoding.sampling import SamplingSettings
+    from dflash2_mlx.engine import GenerationSettings, collect, generate_autoregressive, generate_speculative
+    from dflash2_mlx.models.loading import load_drafter, load_target
 
     target = load_target(str(target_dir))
     drafter = load_drafter(str(drafter_dir)) if drafter_dir is not None else None
@@ -438,9 +437,9 @@ def evaluate_defaults(target_dir: Path, drafter_dir: Optional[Path], code_prompt
     prompts (chat template, generation prompt) and the raw code prompts, one seeded sample each.
     Per set: the 4-gram repetition rate (repeated / all generated 4-grams, pooled) and the share
     of answers that ended (emitted an end token) within ``max_new_tokens``."""
-    from ..engine import GenerationSettings, collect, generate_autoregressive, generate_speculative
-    from ..loading import load_drafter, load_target
-    from ..sampling import SamplingSettings
+    from dflash2_mlx.decoding.sampling import SamplingSettings
+    from dflash2_mlx.engine import GenerationSettings, collect, generate_autoregressive, generate_speculative
+    from dflash2_mlx.models.loading import load_drafter, load_target
 
     cfg = json.loads((Path(target_dir) / "generation_config.json").read_text())
     target = load_target(str(target_dir))
@@ -632,7 +631,7 @@ def build(plan: BuildPlan, out: Path, work: Path, target_only: bool = False) -> 
         timings["target_reused"] = True
     timings["target_seconds"] = target_seconds
 
-    from ..loading import load_target
+    from dflash2_mlx.models.loading import load_target
 
     target = load_target(str(target_work))
     drafter_info = None
@@ -695,7 +694,7 @@ def build(plan: BuildPlan, out: Path, work: Path, target_only: bool = False) -> 
         "timings": timings,
     }
     # What ships must load as shipped (names, extra config keys, tokenizer files).
-    from ..loading import load_drafter, validate_pair
+    from dflash2_mlx.models.loading import load_drafter, validate_pair
 
     shipped = load_target(str(dst_target))
     if drafter_work is not None:

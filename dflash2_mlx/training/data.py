@@ -27,7 +27,7 @@ def _runner(target: Any):
     """The TargetRunner of a ``loading.Target`` (or a TargetRunner itself)."""
     runner = getattr(target, "runner", target)
     if not hasattr(runner, "make_cache") or not hasattr(runner, "lm_head"):
-        raise TypeError(f"expected a dflash2_mlx.loading.Target or TargetRunner, got {type(target).__name__}")
+        raise TypeError(f"expected a dflash2_mlx.models.loading.Target or TargetRunner, got {type(target).__name__}")
     return runner
 
 
@@ -139,7 +139,14 @@ class _Progress:
 
     def __init__(self, total: int, label: str):
         from rich.console import Console
-        from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+        from rich.progress import (
+            BarColumn,
+            MofNCompleteColumn,
+            Progress,
+            TextColumn,
+            TimeElapsedColumn,
+            TimeRemainingColumn,
+        )
 
         self.progress = Progress(
             TextColumn(label), BarColumn(), MofNCompleteColumn(), TextColumn("tokens"),

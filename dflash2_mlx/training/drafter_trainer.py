@@ -86,9 +86,9 @@ import mlx.optimizers as optim
 import numpy as np
 from mlx.utils import tree_flatten, tree_unflatten
 
-from ..config import DFLASH1, DFLASH2, DrafterConfig, build_target_layer_ids
-from ..drafter import Drafter
-from ..selector import top_k_candidates
+from dflash2_mlx.models.drafter import Drafter
+from dflash2_mlx.models.drafter_config import DFLASH1, DFLASH2, DrafterConfig, build_target_layer_ids
+from dflash2_mlx.models.selector import top_k_candidates
 
 __all__ = [
     "DrafterTrainingConfig",
@@ -352,7 +352,7 @@ def _freeze_ablations(drafter: Drafter, config: DrafterTrainingConfig) -> None:
 
 def _drafter_from_init(target, init: Path, config: DrafterTrainingConfig) -> Drafter:
     """Start from an existing drafter (DFlash 1 or 2); a DFlash 1 init can grow DFlash 2 parts."""
-    from ..loading import load_drafter, validate_pair
+    from dflash2_mlx.models.loading import load_drafter, validate_pair
 
     source = load_drafter(str(init))
     sc = source.config
@@ -862,7 +862,7 @@ def train_drafter(
     else:
         drafter_config = make_drafter_config(target, config)
         drafter = init_drafter(drafter_config, config)
-    from ..loading import validate_pair
+    from dflash2_mlx.models.loading import validate_pair
 
     validate_pair(runner, drafter_config)
     _freeze_ablations(drafter, config)

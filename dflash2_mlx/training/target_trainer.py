@@ -2,7 +2,7 @@
 
 The model is mlx-lm's own ``qwen3_5`` module (Gated DeltaNet layers with a gated attention layer
 every ``full_attention_interval``), so the saved directory loads through ``mlx_lm.utils.load_model``
-and ``dflash2_mlx.loading.load_target`` like any Qwen3.5 checkpoint. Only the training forward
+and ``dflash2_mlx.models.loading.load_target`` like any Qwen3.5 checkpoint. Only the training forward
 differs from mlx-lm's call: the Gated DeltaNet recurrence is computed in its chunked (WY) form,
 which is mathematically the same as mlx-lm's step-by-step loop (a test pins the two together)
 but runs as a handful of batched matmuls instead of one tiny op chain per token (a training
@@ -21,14 +21,13 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Callable, Optional, Sequence
 
-import numpy as np
-
-from .. import blas as _blas  # noqa: F401  (OpenBLAS before mlx.core)
-
 import mlx.core as mx
 import mlx.nn as nn
 import mlx.optimizers as optim
+import numpy as np
 from mlx.utils import tree_flatten
+
+from dflash2_mlx.backend import blas as _blas  # noqa: F401  (OpenBLAS before mlx.core)
 
 DEMO_TARGET_NAME = "tiny-code-demo-target"
 
@@ -209,7 +208,7 @@ def chunked_gated_delta(q, k, v, log_g, beta, chunk: int = 32):
 
 def _gated_delta_net_train(gdn: nn.Module, x: mx.array, chunk: int) -> mx.array:
     """``qwen3_5.GatedDeltaNet.__call__`` without a cache, with the chunked recurrence."""
-    from ..target import gated_delta_qkv
+    from dflash2_mlx.models.target import gated_delta_qkv
 
     B, S, _ = x.shape
     qkv = gdn.in_proj_qkv(x)

@@ -12,7 +12,7 @@ the system C++ compiler (g++) and run on the CPU:
    ``device T*``, template parameters from ``template=`` and the thread-position attributes the
    body mentions -- and whose body is the EXACT text of the ``.metal`` file;
 2. the unit is compiled into a shared library, cached under the temp dir by a hash of its text;
-3. :func:`run` takes a :class:`dflash2_mlx.kernels.Plan` -- the same launch description the
+3. :func:`run` takes a :class:`dflash2_mlx.kernels.dispatch.Plan` -- the same launch description the
    Metal path passes to ``mx.fast.metal_kernel`` (inputs, template, grid, threadgroup, output
    shapes and dtypes) -- makes the inputs row-contiguous (``ensure_row_contiguous=True``), fills
    the outputs with a 0xFF poison pattern (NaN for floats, -1 for int32) unless ``init_value``
@@ -20,7 +20,7 @@ the system C++ compiler (g++) and run on the CPU:
    out-of-bounds write fails the run) and returns the outputs as mx arrays.
 
 :func:`two_tap_conv`, :func:`select_greedy` and :func:`select_sampled` have the signatures of the
-public functions in ``dflash2_mlx.kernels`` and can be installed with
+public functions in ``dflash2_mlx.kernels.dispatch`` and can be installed with
 ``kernels.override(**harness_kernels())``. What the harness cannot model: the Metal compiler and
 its math library (exp accuracy, contraction into fma), bf16 emulation on M1/M2 GPUs, SIMD-group
 functions and threadgroup memory (bodies using them do not compile here). On a Mac every kernel
@@ -44,7 +44,7 @@ from typing import Callable, Sequence
 import mlx.core as mx
 import numpy as np
 
-from dflash2_mlx import kernels
+from dflash2_mlx.kernels import dispatch as kernels
 
 HERE = Path(__file__).resolve().parent
 SHIM = HERE / "shim.h"
@@ -334,7 +334,7 @@ def run(
 ) -> list[mx.array]:
     """Run a launch plan through the compiled body; ``source`` replaces the kernel's body text
     (to test the harness itself), ``reverse`` runs threadgroups and threads in reverse order,
-    ``spec`` describes a kernel that is not one of dflash2_mlx.kernels.KERNEL_SPECS (then
+    ``spec`` describes a kernel that is not one of dflash2_mlx.kernels.dispatch.KERNEL_SPECS (then
     ``source`` is required)."""
     if spec is None:
         spec = plan.spec
@@ -397,7 +397,7 @@ def run(
 
 
 def run_kernel(name: str, *args, source: str | None = None, reverse: bool = False):
-    """The public kernel function ``name`` of dflash2_mlx.kernels with the harness in place of
+    """The public kernel function ``name`` of dflash2_mlx.kernels.dispatch with the harness in place of
     Metal: same planning (unsupported shapes go to the reference ops, as on a Mac), same
     post-processing of the outputs."""
     plan = kernels.PLANNERS[name](*args)
