@@ -36,7 +36,10 @@ from harness import load_pair, write_report
 from mlx.utils import tree_flatten
 
 from dflash2_mlx.decoding.batched_verify import VerifyRequest, step_together, verify_batch, verify_one
-from dflash2_mlx.engine import GenerationSettings, collect, generate_speculative, prefill, speculative_steps
+from dflash2_mlx.decoding.output import collect
+from dflash2_mlx.decoding.prefill import prefill
+from dflash2_mlx.decoding.speculative import generate_speculative, speculative_steps
+from dflash2_mlx.decoding.types import GenerationSettings
 
 
 def op_count(*outputs: mx.array) -> int:

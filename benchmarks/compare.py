@@ -95,8 +95,10 @@ def timed(stream: Iterable, tokens_of: Callable, cycle_of: Callable = lambda ite
 
 
 def ours(model: str, draft_model: str, max_tokens: int, block_size: Optional[int], temperature: float) -> list[Implementation]:
+    from dflash2_mlx.decoding.autoregressive import generate_autoregressive
     from dflash2_mlx.decoding.sampling import SamplingSettings
-    from dflash2_mlx.engine import GenerationSettings, generate_autoregressive, generate_speculative
+    from dflash2_mlx.decoding.speculative import generate_speculative
+    from dflash2_mlx.decoding.types import GenerationSettings
     from dflash2_mlx.models.loading import load_drafter, load_target, validate_pair
 
     target = load_target(model)

@@ -39,8 +39,11 @@ MODES = ("plain", "2", "4", "8", "auto")
 
 
 def run_mode(target, drafter, ids, mode: str, temperature: float, max_tokens: int, seed: int):
+    from dflash2_mlx.decoding.autoregressive import generate_autoregressive
+    from dflash2_mlx.decoding.output import collect
     from dflash2_mlx.decoding.sampling import SamplingSettings
-    from dflash2_mlx.engine import GenerationSettings, collect, generate_autoregressive, generate_speculative
+    from dflash2_mlx.decoding.speculative import generate_speculative
+    from dflash2_mlx.decoding.types import GenerationSettings
 
     settings = GenerationSettings(max_tokens=max_tokens, sampling=SamplingSettings(temperature=temperature), seed=seed,
                                   block_size=None if mode in ("plain", "auto") else int(mode))

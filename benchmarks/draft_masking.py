@@ -55,8 +55,10 @@ def main(argv=None) -> int:
 
     from dflash2_mlx import assets
     from dflash2_mlx.constraints.grammar import Grammar
+    from dflash2_mlx.decoding.output import collect
     from dflash2_mlx.decoding.sampling import SamplingSettings
-    from dflash2_mlx.engine import GenerationSettings, collect, generate_speculative
+    from dflash2_mlx.decoding.speculative import generate_speculative
+    from dflash2_mlx.decoding.types import GenerationSettings
 
     target, drafter = load_pair()
     tok, runner = target.tokenizer, target.runner

@@ -40,7 +40,10 @@ def held_out_tokens(tokenizer, count: int) -> list[int]:
 
 
 def measure(target, drafter, prompt: list[int], max_tokens: int) -> dict:
-    from dflash2_mlx.engine import GenerationSettings, collect, generate_autoregressive, generate_speculative
+    from dflash2_mlx.decoding.autoregressive import generate_autoregressive
+    from dflash2_mlx.decoding.output import collect
+    from dflash2_mlx.decoding.speculative import generate_speculative
+    from dflash2_mlx.decoding.types import GenerationSettings
 
     # no stop tokens: every run is max_tokens long; the fixed loop (cycle time = decode time / cycles)
     settings = GenerationSettings(max_tokens=max_tokens, block_size=drafter.config.block_size)

@@ -39,8 +39,11 @@ def main(argv=None) -> int:
     from long_context import held_out_tokens
 
     from dflash2_mlx.cli.common import embedded_pair, embedded_prompts, encode_line
+    from dflash2_mlx.decoding.autoregressive import generate_autoregressive
+    from dflash2_mlx.decoding.output import collect
     from dflash2_mlx.decoding.sampling import SamplingSettings
-    from dflash2_mlx.engine import GenerationSettings, collect, generate_autoregressive, generate_speculative
+    from dflash2_mlx.decoding.speculative import generate_speculative
+    from dflash2_mlx.decoding.types import GenerationSettings
     from dflash2_mlx.models.loading import load_drafter, load_target
     from dflash2_mlx.policies.block_size import ScheduledBlocks
 

@@ -46,7 +46,8 @@ def main(argv=None) -> int:
 
     from mlx_lm.generate import stream_generate
 
-    from dflash2_mlx.engine import GenerationSettings, generate_autoregressive
+    from dflash2_mlx.decoding.autoregressive import generate_autoregressive
+    from dflash2_mlx.decoding.types import GenerationSettings
     from dflash2_mlx.models.loading import load_target
 
     target = load_target(args.model)

@@ -30,14 +30,14 @@ _API = {
     "LoadError": "dflash2_mlx.models.loading",
     "Target": "dflash2_mlx.models.loading",
     # the two decoders, their settings, events and statistics
-    "generate_speculative": "dflash2_mlx.engine",
-    "generate_autoregressive": "dflash2_mlx.engine",
-    "collect": "dflash2_mlx.engine",
-    "GenerationSettings": "dflash2_mlx.engine",
-    "GenerationEvent": "dflash2_mlx.engine",
-    "GenerationStats": "dflash2_mlx.engine",
-    "PromptTooLong": "dflash2_mlx.engine",
-    "Cancelled": "dflash2_mlx.engine",
+    "generate_speculative": "dflash2_mlx.decoding.speculative",
+    "generate_autoregressive": "dflash2_mlx.decoding.autoregressive",
+    "collect": "dflash2_mlx.decoding.output",
+    "GenerationSettings": "dflash2_mlx.decoding.types",
+    "GenerationEvent": "dflash2_mlx.decoding.types",
+    "GenerationStats": "dflash2_mlx.decoding.types",
+    "PromptTooLong": "dflash2_mlx.decoding.types",
+    "Cancelled": "dflash2_mlx.decoding.types",
     "SamplingSettings": "dflash2_mlx.decoding.sampling",
     # the prompt cache and the grammar
     "PrefixCache": "dflash2_mlx.caches.prefix",
@@ -91,15 +91,15 @@ if TYPE_CHECKING:  # for editors and type checkers: the same names, imported eag
     from dflash2_mlx.caches.disk import DiskPrefixCache
     from dflash2_mlx.caches.prefix import PrefixCache
     from dflash2_mlx.constraints.grammar import Grammar, GrammarError
+    from dflash2_mlx.decoding.autoregressive import generate_autoregressive
+    from dflash2_mlx.decoding.output import collect
     from dflash2_mlx.decoding.sampling import SamplingSettings
-    from dflash2_mlx.engine import (
+    from dflash2_mlx.decoding.speculative import generate_speculative
+    from dflash2_mlx.decoding.types import (
         Cancelled,
         GenerationEvent,
         GenerationSettings,
         GenerationStats,
         PromptTooLong,
-        collect,
-        generate_autoregressive,
-        generate_speculative,
     )
     from dflash2_mlx.models.loading import LoadError, Target, load_drafter, load_pair, load_target

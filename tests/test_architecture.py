@@ -65,6 +65,8 @@ def import_graph() -> dict[str, set[str]]:
             if getattr(node, "lineno", None) in skip:
                 continue
             if isinstance(node, ast.ImportFrom):
+                if node.module == "dflash2_mlx" and [a.name for a in node.names] == ["__version__"]:
+                    continue  # the version string, defined before the API: no dependency on a layer
                 if node.level:
                     base = package.split(".")[: len(package.split(".")) - node.level + 1]
                     module = ".".join(base + ([node.module] if node.module else []))

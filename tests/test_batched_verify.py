@@ -19,8 +19,10 @@ import tiny
 from mlx.utils import tree_flatten
 from test_rollback import _assert_caches_equal
 
+from dflash2_mlx.decoding.autoregressive import generate_autoregressive
 from dflash2_mlx.decoding.batched_verify import VerifyRequest, run_together, step_together, verify_batch, verify_one
-from dflash2_mlx.engine import GenerationSettings, generate_autoregressive, generate_speculative, speculative_steps
+from dflash2_mlx.decoding.speculative import generate_speculative, speculative_steps
+from dflash2_mlx.decoding.types import GenerationSettings
 from dflash2_mlx.models import target as target_module
 from dflash2_mlx.models.target import TargetRunner
 

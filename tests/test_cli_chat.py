@@ -235,7 +235,7 @@ def test_chat_reuses_message_boundaries_with_a_thinking_template(tiny_checkpoint
     from server_helpers import qwen_style_checkpoint
 
     from dflash2_mlx.cli.chat_session import ChatSession
-    from dflash2_mlx.engine import GenerationSettings
+    from dflash2_mlx.decoding.types import GenerationSettings
     from dflash2_mlx.models.loading import load_drafter, load_target
 
     target_dir, drafter_dir = tiny_checkpoints

@@ -115,8 +115,8 @@ def test_bench_library_order_templates_and_pooled_acceptance(tiny_checkpoints):
     mean acceptance length pools cycles, and `identical` is null when sampling."""
     from dflash2_mlx.cli.common import encode_line
     from dflash2_mlx.decoding.sampling import SamplingSettings
+    from dflash2_mlx.decoding.types import GenerationSettings
     from dflash2_mlx.diagnostics import bench
-    from dflash2_mlx.engine import GenerationSettings
     from dflash2_mlx.models.loading import load_drafter, load_target
 
     target_dir, drafter_dir = tiny_checkpoints

@@ -20,8 +20,10 @@ import tiny
 from mlx.utils import tree_flatten
 
 from dflash2_mlx.constraints.grammar import Grammar, GrammarError, GrammarState, json_schema_rules
+from dflash2_mlx.decoding.autoregressive import generate_autoregressive
 from dflash2_mlx.decoding.sampling import SamplingSettings, probabilities
-from dflash2_mlx.engine import GenerationSettings, generate_autoregressive, generate_speculative
+from dflash2_mlx.decoding.speculative import generate_speculative
+from dflash2_mlx.decoding.types import GenerationSettings
 from dflash2_mlx.models.target import TargetRunner
 
 # Every keyword the server promises, in one schema whose language is finite (bounded strings,

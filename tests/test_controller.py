@@ -185,3 +185,51 @@ def test_at_a_longer_context_a_plain_step_is_timed_before_blocks_are_trusted():
         chosen.append(b)
         controller.observe(b, 1 if b > PLAIN else 0, 1.2 if b == PLAIN else 4 * (1 + 0.1 * b), 3000)
     assert chosen[:3].count(PLAIN) >= 1 and chosen[-20:].count(PLAIN) >= 19
+
+
+def test_calibration_times_the_cycles_of_the_requests_it_is_given_to_run():
+    # The controller never imports the decoding loop: the loop hands calibration a callable that
+    # runs one request under a block schedule. Here the "request" reports made-up cycle times.
+    from types import SimpleNamespace
+
+    from dflash2_mlx.policies.block_size import calibrate
+
+    def cost(block_size: int) -> float:
+        return 1.0 if block_size == PLAIN else 1.5 + 0.25 * block_size
+
+    runs = []
+
+    def run_request(prompt, policy, max_tokens):
+        runs.append((list(prompt), max_tokens))
+        for _ in range(len(policy.schedule)):
+            b = policy.choose(len(prompt))
+            policy.observe(b, 0, cost(b), len(prompt))
+
+    runner = SimpleNamespace(vocab_size=50)
+    drafter = SimpleNamespace(config=SimpleNamespace(block_size=MAX_BLOCK))
+    costs = CostTable()
+    calibrate(runner, drafter, costs, run_request)
+    assert len(runs) == 2  # a warm-up, then the timed run
+    prompt, max_tokens = runs[1]
+    assert len(prompt) == 16 and all(0 <= t < 50 for t in prompt)
+    assert max_tokens > MAX_BLOCK
+    for b in range(1, MAX_BLOCK + 1):
+        assert costs.estimate(b, len(prompt)) == pytest.approx(cost(b))
+
+
+def test_the_controller_imports_nothing_of_the_decoding_loop():
+    # policies sit below the decoding loop: any import of it from policies/block_size.py (even inside a
+    # function) is the old controller <-> engine cycle
+    import ast
+    from pathlib import Path
+
+    source = Path(__file__).parent.parent / "dflash2_mlx" / "policies" / "block_size.py"
+    imported = set()
+    for node in ast.walk(ast.parse(source.read_text())):
+        if isinstance(node, ast.ImportFrom):
+            imported.add(("." * node.level) + (node.module or ""))
+        elif isinstance(node, ast.Import):
+            imported.update(alias.name for alias in node.names)
+    package_modules = {name.lstrip(".").removeprefix("dflash2_mlx.") for name in imported if name.startswith(".")
+                       or name.startswith("dflash2_mlx")}
+    assert not {m for m in package_modules if m.split(".")[0] in ("engine", "decoding")}, package_modules

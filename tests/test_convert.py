@@ -62,7 +62,9 @@ def drafter8(hf_checkpoints, tmp_path_factory):
 
 @pytest.mark.parametrize("bits", [4, 8])
 def test_target_conversion_round_trip_is_lossless(hf_checkpoints, drafter8, tmp_path, capsys, monkeypatch, bits):
-    from dflash2_mlx.engine import GenerationSettings, generate_autoregressive, generate_speculative
+    from dflash2_mlx.decoding.autoregressive import generate_autoregressive
+    from dflash2_mlx.decoding.speculative import generate_speculative
+    from dflash2_mlx.decoding.types import GenerationSettings
     from dflash2_mlx.models.loading import load_drafter, load_target
 
     src, _ = hf_checkpoints

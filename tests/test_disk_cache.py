@@ -19,7 +19,9 @@ import tiny
 from dflash2_mlx.caches.disk import FORMAT, DiskPrefixCache, _read_index
 from dflash2_mlx.caches.prefix import PrefixCache, PrefixEntry
 from dflash2_mlx.caches.target import CacheSnapshot
-from dflash2_mlx.engine import GenerationSettings, generate_autoregressive, generate_speculative
+from dflash2_mlx.decoding.autoregressive import generate_autoregressive
+from dflash2_mlx.decoding.speculative import generate_speculative
+from dflash2_mlx.decoding.types import GenerationSettings
 from dflash2_mlx.models.target import TargetRunner
 
 PROMPT = [11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21, 22, 23]

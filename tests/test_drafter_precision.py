@@ -18,7 +18,8 @@ from mlx.utils import tree_flatten
 from dflash2_mlx import assets
 from dflash2_mlx.backend import device
 from dflash2_mlx.cli.convert import convert_drafter, drafter_warnings
-from dflash2_mlx.engine import GenerationSettings, generate_speculative
+from dflash2_mlx.decoding.speculative import generate_speculative
+from dflash2_mlx.decoding.types import GenerationSettings
 from dflash2_mlx.models import memory
 from dflash2_mlx.models.drafter_precision import ACTIVATIONS_ENV, ActivationChoice, choose_activations, describe
 from dflash2_mlx.models.drafter_step import DraftStep

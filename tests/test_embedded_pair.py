@@ -10,7 +10,10 @@ import pytest
 
 from dflash2_mlx import assets
 from dflash2_mlx.backend.files import sha256_file
-from dflash2_mlx.engine import GenerationSettings, collect, generate_autoregressive, generate_speculative
+from dflash2_mlx.decoding.autoregressive import generate_autoregressive
+from dflash2_mlx.decoding.output import collect
+from dflash2_mlx.decoding.speculative import generate_speculative
+from dflash2_mlx.decoding.types import GenerationSettings
 from dflash2_mlx.models.loading import load_drafter, load_target
 from dflash2_mlx.training.demo_metrics import repetition_rate
 from dflash2_mlx.training.demo_plan import CHECKED_FILES

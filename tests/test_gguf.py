@@ -24,7 +24,9 @@ from gguf.quants import dequantize, quantize
 from mlx.utils import tree_flatten
 from tokenizers.pre_tokenizers import ByteLevel
 
-from dflash2_mlx.engine import GenerationSettings, generate_autoregressive, generate_speculative
+from dflash2_mlx.decoding.autoregressive import generate_autoregressive
+from dflash2_mlx.decoding.speculative import generate_speculative
+from dflash2_mlx.decoding.types import GenerationSettings
 from dflash2_mlx.models import gguf as gguf_models
 from dflash2_mlx.models import named
 from dflash2_mlx.models.loading import LoadError, load_target, resolve

@@ -27,7 +27,9 @@ import pytest
 import tiny
 from mlx.utils import tree_flatten
 
-from dflash2_mlx.engine import GenerationSettings, PromptTooLong, generate_autoregressive, generate_speculative
+from dflash2_mlx.decoding.autoregressive import generate_autoregressive
+from dflash2_mlx.decoding.speculative import generate_speculative
+from dflash2_mlx.decoding.types import GenerationSettings, PromptTooLong
 from dflash2_mlx.models.drafter_config import DFLASH1, DFLASH2
 from dflash2_mlx.models.loading import LoadError, load_drafter, load_target, validate_pair
 from dflash2_mlx.models.target import TargetRunner

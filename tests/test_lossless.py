@@ -15,7 +15,9 @@ import pytest
 import tiny
 from mlx.utils import tree_flatten
 
-from dflash2_mlx.engine import GenerationSettings, generate_autoregressive, generate_speculative
+from dflash2_mlx.decoding.autoregressive import generate_autoregressive
+from dflash2_mlx.decoding.speculative import generate_speculative
+from dflash2_mlx.decoding.types import GenerationSettings
 from dflash2_mlx.models.target import TargetRunner
 
 MAX_TOKENS = 40

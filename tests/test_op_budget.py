@@ -16,7 +16,8 @@ import re
 import mlx.core as mx
 import pytest
 
-from dflash2_mlx.engine import GenerationSettings, prefill
+from dflash2_mlx.decoding.prefill import prefill
+from dflash2_mlx.decoding.types import GenerationSettings
 from dflash2_mlx.models.loading import load_drafter, load_target
 
 

@@ -13,7 +13,8 @@ import pytest
 import tiny
 
 from dflash2_mlx.decoding.sampling import SamplingSettings, probabilities, rejection_step
-from dflash2_mlx.engine import GenerationSettings, generate_speculative
+from dflash2_mlx.decoding.speculative import generate_speculative
+from dflash2_mlx.decoding.types import GenerationSettings
 from dflash2_mlx.models.target import TargetRunner
 
 ALPHA = 1e-3

@@ -107,7 +107,7 @@ def test_turns_are_not_timed_when_the_trace_is_off(caplog):
 
 def test_the_trace_names_each_request_and_its_kind_of_step():
     from dflash2_mlx.decoding.batched_verify import Step
-    from dflash2_mlx.engine import GenerationEvent
+    from dflash2_mlx.decoding.types import GenerationEvent
     from dflash2_mlx.server.worker import Active, Job, _step_kind
 
     assert _step_kind(Step(event=GenerationEvent([4, 5, 6], "abc", accepted=2))) == "a cycle of 3 tokens"

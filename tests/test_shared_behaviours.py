@@ -100,7 +100,7 @@ def _chat_session(target):
     from rich.console import Console
 
     from dflash2_mlx.cli.chat_session import ChatSession
-    from dflash2_mlx.engine import GenerationSettings
+    from dflash2_mlx.decoding.types import GenerationSettings
 
     return ChatSession(target, None, GenerationSettings(max_tokens=4), Console(file=io.StringIO()), None, None,
                        False, 2**20, "qwen-style")

@@ -479,7 +479,8 @@ def test_simulated_cycles_follow_the_engines_rule():
 
 def test_evaluation_reproduces_the_engines_cycles(target, trained, documents):
     """Training's view of a block is inference's: the simulated cycles are the engine's."""
-    from dflash2_mlx.engine import GenerationSettings, generate_speculative
+    from dflash2_mlx.decoding.speculative import generate_speculative
+    from dflash2_mlx.decoding.types import GenerationSettings
 
     drafter = load_drafter(str(trained))
     # (a barely trained drafter on a random target accepts little; the same check passed cycle for

@@ -238,7 +238,8 @@ def test_train_logits_equal_the_model_forward():
 def test_five_steps_reduce_loss_and_save_a_loadable_generating_target(small_tokenizer_dir, tmp_path):
     from tokenizers import Tokenizer
 
-    from dflash2_mlx.engine import GenerationSettings, generate_autoregressive
+    from dflash2_mlx.decoding.autoregressive import generate_autoregressive
+    from dflash2_mlx.decoding.types import GenerationSettings
     from dflash2_mlx.models.loading import load_target
 
     tok = Tokenizer.from_file(str(small_tokenizer_dir / "a" / "tokenizer.json"))

@@ -69,7 +69,9 @@ def generate(
         sampling_settings,
         schema_grammar,
     )
-    from dflash2_mlx.engine import GenerationSettings, generate_autoregressive, generate_speculative
+    from dflash2_mlx.decoding.autoregressive import generate_autoregressive
+    from dflash2_mlx.decoding.speculative import generate_speculative
+    from dflash2_mlx.decoding.types import GenerationSettings
     from dflash2_mlx.text.stops import encode_prompt
 
     check_positive("--max-tokens", max_tokens)
@@ -248,8 +250,10 @@ def _self_test(max_tokens: int = 48) -> tuple[bool, str]:
     import time
 
     from dflash2_mlx.cli.common import ModelChoice, embedded_pair, embedded_prompts, encode_line, load_models
+    from dflash2_mlx.decoding.autoregressive import generate_autoregressive
+    from dflash2_mlx.decoding.speculative import generate_speculative
+    from dflash2_mlx.decoding.types import GenerationSettings
     from dflash2_mlx.diagnostics import doctor_report
-    from dflash2_mlx.engine import GenerationSettings, generate_autoregressive, generate_speculative
     from dflash2_mlx.models.loading import LoadError
 
     pair = embedded_pair()
@@ -330,7 +334,7 @@ def _memory_line(info: dict) -> str:
 
 def main() -> None:
     """Console entry point: runs the app and turns user errors into one line on stderr."""
-    from dflash2_mlx.engine import PromptTooLong
+    from dflash2_mlx.decoding.types import PromptTooLong
     from dflash2_mlx.models.loading import LoadError
 
     try:

@@ -53,8 +53,8 @@ def bench_command(
     """
     from rich.console import Console
 
+    from dflash2_mlx.decoding.types import GenerationSettings
     from dflash2_mlx.diagnostics import bench
-    from dflash2_mlx.engine import GenerationSettings
 
     check_positive("--max-tokens", max_tokens)
     check_positive("--limit", limit)

@@ -68,7 +68,7 @@ def chat_command(
     """
     from rich.console import Console
 
-    from dflash2_mlx.engine import GenerationSettings
+    from dflash2_mlx.decoding.types import GenerationSettings
 
     if max_tokens is not None:
         check_positive("--max-tokens", max_tokens)

@@ -117,7 +117,9 @@ class ChatSession:
 
     def answer(self, user_text: str) -> Optional[Turn]:
         from dflash2_mlx.cli.common import UserError
-        from dflash2_mlx.engine import PromptTooLong, generate_autoregressive, generate_speculative
+        from dflash2_mlx.decoding.autoregressive import generate_autoregressive
+        from dflash2_mlx.decoding.speculative import generate_speculative
+        from dflash2_mlx.decoding.types import PromptTooLong
 
         self.messages.append({"role": "user", "content": user_text})
         try:

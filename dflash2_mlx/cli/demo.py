@@ -155,8 +155,10 @@ def demo_command(
     from rich.console import Console
     from rich.live import Live
 
+    from dflash2_mlx.decoding.autoregressive import generate_autoregressive
+    from dflash2_mlx.decoding.speculative import generate_speculative
+    from dflash2_mlx.decoding.types import GenerationSettings
     from dflash2_mlx.diagnostics.bench import BUILTIN_PROMPTS
-    from dflash2_mlx.engine import GenerationSettings, generate_autoregressive, generate_speculative
 
     check_positive("--max-tokens", max_tokens)
     check_positive("--height", height, 2)

@@ -106,7 +106,7 @@ def verify_batch(runner: TargetRunner, requests: Sequence[VerifyRequest]) -> lis
     return results
 
 
-# A decode loop that leaves its verify passes to its driver (engine.speculative_steps): it yields
+# A decode loop that leaves its verify passes to its driver (decoding.speculative.speculative_steps): it yields
 # events and VerifyRequests, and each request is answered with send(VerifyResult).
 DecodeLoop = Generator[Any, Optional[VerifyResult], None]
 

@@ -89,7 +89,7 @@ class Run:
 
 
 def _run(events) -> Run:
-    from dflash2_mlx.engine import collect
+    from dflash2_mlx.decoding.output import collect
 
     return Run(*collect(events))
 
@@ -113,7 +113,8 @@ def run_bench(
     tokens); ``encode`` turns a prompt line into token ids; ``on_prompt(i, result)`` is called as
     each prompt finishes (for progress display).
     """
-    from dflash2_mlx.engine import generate_autoregressive, generate_speculative
+    from dflash2_mlx.decoding.autoregressive import generate_autoregressive
+    from dflash2_mlx.decoding.speculative import generate_speculative
 
     tokenizer = target.tokenizer
     greedy = settings.sampling.greedy
@@ -189,7 +190,7 @@ def run_bench(
 def profile_cycles(target, drafter, lines: Sequence[dict], settings, encode: Callable[[dict], list[int]]) -> dict:
     """Decode every prompt speculatively once more with a ``CycleProfiler``: per-phase time shares."""
     from dflash2_mlx.decoding.profiling import CycleProfiler
-    from dflash2_mlx.engine import generate_speculative
+    from dflash2_mlx.decoding.speculative import generate_speculative
 
     profiler = CycleProfiler()
     profiled = replace(settings, profiler=profiler)

@@ -27,7 +27,9 @@ from typing import Callable, Optional, Sequence
 import mlx.core as mx
 
 from dflash2_mlx.backend import device
-from dflash2_mlx.engine import GenerationSettings, generate_autoregressive, generate_speculative
+from dflash2_mlx.decoding.autoregressive import generate_autoregressive
+from dflash2_mlx.decoding.speculative import generate_speculative
+from dflash2_mlx.decoding.types import GenerationSettings
 from dflash2_mlx.kernels import dispatch as kernels
 from dflash2_mlx.kernels import plans, reference, selfcheck
 from dflash2_mlx.models import drafter_precision, memory

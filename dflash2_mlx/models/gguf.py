@@ -30,6 +30,7 @@ import mlx.nn as nn
 import numpy as np
 
 from dflash2_mlx.models import gguf_tokenizer
+from dflash2_mlx.models.gguf_metadata import field
 
 ARCHITECTURES = ("llama", "qwen2", "qwen3")
 
@@ -170,12 +171,6 @@ def open_reader(path: Path):
                 f"GGUF file {path} is truncated (tensor {t.name} ends past the end of the file); re-download it"
             )
     return reader
-
-
-def field(reader, key: str, default=None):
-    """A metadata value (string, number or list), or ``default``."""
-    f = reader.fields.get(key)
-    return default if f is None else f.contents()
 
 
 def hf_config(reader, path: Path) -> dict:

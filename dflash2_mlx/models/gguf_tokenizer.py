@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import json
 
+from dflash2_mlx.models.gguf_metadata import field
+
 # From llama.cpp src/llama-vocab.cpp (``llm_tokenizer_bpe``), by ``tokenizer.ggml.pre``.
 _GPT2 = r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)"
 _QWEN2 = (
@@ -38,8 +40,6 @@ class TokenizerError(ValueError):
 def build_tokenizer(reader):
     """A ``tokenizers.Tokenizer`` equivalent to llama.cpp's for the file's vocabulary."""
     from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers, processors
-
-    from dflash2_mlx.models.gguf import field
 
     kind = field(reader, "tokenizer.ggml.model")
     if kind != "gpt2":
@@ -73,8 +73,6 @@ def build_tokenizer(reader):
 
 def tokenizer_files(reader, config: dict) -> dict[str, str]:
     """{file name: text} of tokenizer.json and tokenizer_config.json for the converted directory."""
-    from dflash2_mlx.models.gguf import field
-
     tokenizer = build_tokenizer(reader)
     tokens = field(reader, "tokenizer.ggml.tokens")
 

@@ -37,7 +37,7 @@ import statistics
 import weakref
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Optional, Protocol, Sequence
+from typing import Callable, Optional, Protocol, Sequence
 
 PLAIN = 1
 PROBE_BUDGET = 0.01  # of decode time; the documented bound (3%) leaves room for mispredicted probes
@@ -387,17 +387,19 @@ class BreakEvenController:
                 "probe_share_of_decode_time": self.probe_excess / self.decode_seconds if self.decode_seconds else 0.0}
 
 
-def calibrate(runner, drafter, costs: CostTable, sampling) -> None:
+# Runs one short speculative request: (prompt, policy, max tokens) -> None. The decoding side passes
+# it in (decoding.speculative.run_calibration_request), so that the policy never imports the loop.
+RunRequest = Callable[[Sequence[int], BlockPolicy, int], None]
+
+
+def calibrate(runner, drafter, costs: CostTable, run_request: RunRequest) -> None:
     """Time real cycles of every block size (and plain steps) on a short made-up prompt: the
     costs a pair's first request decides with (medians), until its own cycles refine them."""
-    from dflash2_mlx.engine import GenerationSettings, collect, generate_speculative
-
     prompt = [(7 * i + 3) % runner.vocab_size for i in range(16)]
     schedule = calibration_schedule(drafter.config.block_size)
     timed = _Timings(schedule)
     for policy in (ScheduledBlocks(sorted(set(schedule))), timed):  # a warm-up, then the timed run
-        settings = GenerationSettings(max_tokens=sum(policy.schedule) + 1, sampling=sampling, policy=policy)
-        collect(generate_speculative(runner, drafter, prompt, settings))
+        run_request(prompt, policy, sum(policy.schedule) + 1)
     sizes = sorted(timed.samples)
     medians = monotone([statistics.median(timed.samples[b]) for b in sizes])
     for b, seconds in zip(sizes, medians):
@@ -431,25 +433,26 @@ class _Timings(ScheduledBlocks):
         super().observe(block_size, accepted, seconds, context_len)
 
 
-def policy_for(runner, drafter, settings) -> BlockPolicy:
+def policy_for(runner, drafter, settings, run_request: RunRequest) -> BlockPolicy:
     """The request's policy: the one given, a pinned block size, or the break-even controller
-    (calibrating the pair's costs for this kind of sampling at its first use)."""
+    (calibrating the pair's costs for this kind of sampling at its first use, with requests run by
+    ``run_request`` at the settings' sampling)."""
     if settings.policy is not None:
         return settings.policy
     if settings.block_size:
         return FixedBlock(settings.block_size)
     greedy = settings.sampling.greedy
-    ensure_calibrated(runner, drafter, settings.sampling)
+    ensure_calibrated(runner, drafter, greedy, run_request)
     return BreakEvenController(profile_for(runner.model, drafter), drafter.config.block_size, greedy,
                                settings.sampling.temperature)
 
 
-def ensure_calibrated(runner, drafter, sampling) -> bool:
-    """Calibrate the pair's cycle costs for this kind of sampling (greedy or sampled) unless done
-    already; True if it ran. A server calls it while loading: a calibration takes a few hundred
+def ensure_calibrated(runner, drafter, greedy: bool, run_request: RunRequest) -> bool:
+    """Calibrate the pair's greedy or sampled cycle costs (timing requests run by ``run_request``)
+    unless done already; True if it ran. A server calls it while loading: a calibration takes a few hundred
     cycles, and run inside a request it would hold up every request beside it."""
-    costs = profile_for(runner.model, drafter).cost_table(sampling.greedy)
+    costs = profile_for(runner.model, drafter).cost_table(greedy)
     if costs.calibrated:
         return False
-    calibrate(runner, drafter, costs, sampling)
+    calibrate(runner, drafter, costs, run_request)
     return True

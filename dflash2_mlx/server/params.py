@@ -131,7 +131,7 @@ def to_settings(p: GenParams, tokenizer, cancel: threading.Event, prompt: Sequen
     from mlx_lm.sample_utils import make_logits_processors
 
     from dflash2_mlx.decoding.sampling import SamplingSettings
-    from dflash2_mlx.engine import GenerationSettings
+    from dflash2_mlx.decoding.types import GenerationSettings
 
     processors = list(make_logits_processors(
         logit_bias=p.logit_bias or None,

@@ -299,11 +299,16 @@ class Worker:
         those costs (its cycles refine them): the break-even controller would otherwise calibrate
         inside a request's first step, greedy or sampled, and every request beside it would wait
         seconds (the stall of issue 32: a first sampled request beside a greedy stream)."""
+        from functools import partial
+
         from dflash2_mlx.decoding.sampling import SamplingSettings
+        from dflash2_mlx.decoding.speculative import run_calibration_request
         from dflash2_mlx.policies.block_size import ensure_calibrated, profile_for
 
         t0 = time.perf_counter()
-        ensure_calibrated(self.target.runner, self.drafter, SamplingSettings())
+        runner = self.target.runner
+        greedy_request = partial(run_calibration_request, runner, self.drafter, SamplingSettings())
+        ensure_calibrated(runner, self.drafter, True, greedy_request)
         profile = profile_for(self.target.runner.model, self.drafter)
         if not profile.cost_table(greedy=False).calibrated:
             profile.cost_table(greedy=False).start_from(profile.cost_table(greedy=True))
@@ -313,7 +318,8 @@ class Worker:
         """Open the job's generation (nothing runs yet); None when it ended already."""
         from dataclasses import replace
 
-        from dflash2_mlx.engine import generate_autoregressive, speculative_steps
+        from dflash2_mlx.decoding.autoregressive import generate_autoregressive
+        from dflash2_mlx.decoding.speculative import speculative_steps
         from dflash2_mlx.server.params import to_settings
 
         if job.cancel.is_set():
@@ -404,7 +410,7 @@ class Worker:
 
     def _fail(self, job: Job, e: Exception) -> None:
         """End a job on an exception from the engine: the client's fault is a 400, ours a 500."""
-        from dflash2_mlx.engine import Cancelled, PromptTooLong
+        from dflash2_mlx.decoding.types import Cancelled, PromptTooLong
 
         if isinstance(e, Cancelled):
             job.emit("cancelled")

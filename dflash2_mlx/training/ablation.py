@@ -69,7 +69,10 @@ def training_data(plan, target, work: Path, log) -> tuple[np.ndarray, list[dict]
 def evaluate_variant(target, drafter_dir: Path, prompts: list[dict], block_size: int, max_tokens: int,
                      reference: Optional[list[list[int]]]) -> tuple[dict, list[list[int]]]:
     """Acceptance (mean and per position) of one drafter on ``prompts`` at temperature 0."""
-    from dflash2_mlx.engine import GenerationSettings, collect, generate_autoregressive, generate_speculative
+    from dflash2_mlx.decoding.autoregressive import generate_autoregressive
+    from dflash2_mlx.decoding.output import collect
+    from dflash2_mlx.decoding.speculative import generate_speculative
+    from dflash2_mlx.decoding.types import GenerationSettings
     from dflash2_mlx.models.loading import load_drafter
 
     drafter = load_drafter(str(drafter_dir))

@@ -23,8 +23,11 @@ __all__ = [
 
 
 def evaluate(plan: BuildPlan, target_dir: Path, drafter_dir: Optional[Path], prompts: list[dict], log: Log) -> dict:
+    from dflash2_mlx.decoding.autoregressive import generate_autoregressive
+    from dflash2_mlx.decoding.output import collect
     from dflash2_mlx.decoding.sampling import SamplingSettings
-    from dflash2_mlx.engine import GenerationSettings, collect, generate_autoregressive, generate_speculative
+    from dflash2_mlx.decoding.speculative import generate_speculative
+    from dflash2_mlx.decoding.types import GenerationSettings
     from dflash2_mlx.models.loading import load_drafter, load_target
 
     target = load_target(str(target_dir))
@@ -120,8 +123,11 @@ def evaluate_defaults(target_dir: Path, drafter_dir: Optional[Path], code_prompt
     prompts (chat template, generation prompt) and the raw code prompts, one seeded sample each.
     Per set: the 4-gram repetition rate (repeated / all generated 4-grams, pooled) and the share
     of answers that ended (emitted an end token) within ``max_new_tokens``."""
+    from dflash2_mlx.decoding.autoregressive import generate_autoregressive
+    from dflash2_mlx.decoding.output import collect
     from dflash2_mlx.decoding.sampling import SamplingSettings
-    from dflash2_mlx.engine import GenerationSettings, collect, generate_autoregressive, generate_speculative
+    from dflash2_mlx.decoding.speculative import generate_speculative
+    from dflash2_mlx.decoding.types import GenerationSettings
     from dflash2_mlx.models.loading import load_drafter, load_target
 
     cfg = json.loads((Path(target_dir) / "generation_config.json").read_text())
