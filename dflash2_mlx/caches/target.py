@@ -12,7 +12,7 @@ rollback just picks one: no replay at all.
 ``DFLASH2_MLX_ROLLBACK`` chooses between the two: ``keep`` (every verify pass keeps its per-step
 states), ``replay`` (never: the Metal path, which the CPU then runs too, so tests cover it) or
 ``auto`` (the default: keep where the recurrence runs as ops and the states are small, see
-``target.py``). Both give the state plain decoding would have reached (tests pin it for both).
+``models/target.py``). Both give the state plain decoding would have reached (tests pin it for both).
 """
 
 from __future__ import annotations

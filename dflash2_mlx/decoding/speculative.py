@@ -40,7 +40,7 @@ def speculative_steps(
     events and, once per cycle, a ``VerifyRequest``, to be answered with ``send(VerifyResult)``
     (``batched_verify.answer_alone`` runs each alone; a server batches several sequences').
 
-    Each cycle's block size comes from the request's policy (``controller.py``): the break-even
+    Each cycle's block size comes from the request's policy (``policies/block_size.py``): the break-even
     controller by default, ``settings.block_size`` pinned, or ``settings.policy``. A cycle of size
     1 is a plain step: the target runs the anchor alone and its tapped features still reach the
     drafter's context, so speculation can resume exactly where it left off."""

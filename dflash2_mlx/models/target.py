@@ -3,7 +3,7 @@
 The runner walks the model's own layers and calls their sub-modules; it never patches mlx-lm.
 Gated DeltaNet layers (Qwen3.5 / Qwen3.8 hybrids) are walked step by step, computing exactly what
 ``GatedDeltaNet.__call__`` computes, so that a verify pass can record the recurrence's inputs for
-rollback (see ``caches.py``). Their gated attention layers are walked too, so that everything but
+rollback (see ``caches/target.py``). Their gated attention layers are walked too, so that everything but
 the KV cache update and the attention itself runs compiled; other attention layers are called as
 they are. Tests pin the walked layers to mlx-lm's own forward, bit for bit.
 
@@ -49,7 +49,7 @@ def _text_stack(model: nn.Module) -> tuple[nn.Module, nn.Module]:
 # verify on the CPU keeps 16 x 48 x 128 x 128 x 4 B = 48 MiB per layer (about 2.25 GiB over its 48
 # layers, for the length of one pass), within this bound: the CPU keeps them, it does not replay.
 # Only larger passes (more rows or heads) replay there; on Metal the recurrence is one kernel and
-# rollback replays (``DFLASH2_MLX_ROLLBACK`` overrides both, see caches.py).
+# rollback replays (``DFLASH2_MLX_ROLLBACK`` overrides both, see caches/target.py).
 MAX_KEPT_STATE_BYTES = 64 << 20
 
 

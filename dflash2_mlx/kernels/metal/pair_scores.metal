@@ -1,5 +1,5 @@
 // Candidate selector: pair scores and the path walk in one dispatch (body for mx.fast.metal_kernel).
-// Specification: reference_select_greedy / reference_select_sampled in dflash2_mlx/kernels.py.
+// Specification: reference_select_greedy / reference_select_sampled in dflash2_mlx/kernels/reference.py.
 // The header defines DFLASH2_PAIR_SAMPLED as 0 (greedy kernel) or 1 (sampled kernel).
 //
 // Inputs : anchor [N] int32, candidates [N, R, K] int32, unary [N, R, K], hidden [N, R, D],

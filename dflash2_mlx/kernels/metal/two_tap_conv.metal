@@ -1,5 +1,5 @@
 // Two-tap grouped dynamic convolution, local to each block (body for mx.fast.metal_kernel).
-// Specification: reference_two_tap_conv in dflash2_mlx/kernels.py.
+// Specification: reference_two_tap_conv in dflash2_mlx/kernels/reference.py.
 //
 //   out[n, t, c] = (base[0, c] + dyn[n, t, 0, g]) * x[n, t, c]
 //                + (base[1, c] + dyn[n, t, 1, g]) * x[n, t - 1, c],   g = c / (H / G),
