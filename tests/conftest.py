@@ -6,10 +6,14 @@ from pathlib import Path
 # tests inherit this; tests of the prompt cache pass --prompt-cache-dir with a temporary directory.
 os.environ["DFLASH2_PROMPT_CACHE_DIR"] = "none"
 
+# First, before mlx.core: importing the package loads the optimised BLAS (dflash2_mlx/backend/blas.py),
+# as a user's program gets it; loaded after mlx.core it has no effect and every in-process test runs
+# on MLX's reference BLAS. The split keeps import sorting from moving it below mlx.core.
+import dflash2_mlx  # noqa: F401
+
+# isort: split
 import mlx.core as mx
 import pytest
-
-import dflash2_mlx  # noqa: F401  (first: loads OpenBLAS before mlx.core, as users get it)
 
 sys.path.insert(0, str(Path(__file__).parent))
 
