@@ -1,5 +1,8 @@
+import logging
 import os
+import subprocess
 import sys
+import warnings
 from pathlib import Path
 
 # No test writes to the user's prompt cache (~/.cache/dflash2-mlx): commands and servers started by
@@ -58,3 +61,33 @@ def embedded_pair():
     from dflash2_mlx import assets
 
     return assets.demo_target_path(), assets.demo_drafter_path()
+
+
+@pytest.fixture
+def run_in_process(capfd, caplog, monkeypatch):
+    """run_in_process(*args): ``dflash2-mlx *args`` through the console entry point ``main()`` in
+    this process -> a CompletedProcess-like result: the exit code, what reached fds 1 and 2, and on
+    stderr also what a fresh interpreter would have printed there but pytest intercepts (Python
+    warnings under the interpreter's default filters, log records at WARNING and above)."""
+    from dflash2_mlx.cli.app import main
+
+    def run_main(*args):
+        capfd.readouterr()  # drop anything written before
+        caplog.clear()
+        monkeypatch.setattr(sys, "argv", ["dflash2-mlx", *args])
+        code = 0
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.resetwarnings()
+            warnings.simplefilter("always")
+            for category in (DeprecationWarning, PendingDeprecationWarning, ImportWarning, ResourceWarning):
+                warnings.filterwarnings("ignore", category=category)
+            try:
+                main()
+            except SystemExit as e:
+                code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
+        out, err = capfd.readouterr()
+        err += "".join(warnings.formatwarning(w.message, w.category, w.filename, w.lineno) for w in caught)
+        err += "".join(f"{r.levelname}: {r.getMessage()}\n" for r in caplog.records if r.levelno >= logging.WARNING)
+        return subprocess.CompletedProcess(["dflash2-mlx", *args], code, out, err)
+
+    return run_main
