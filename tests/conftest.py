@@ -22,6 +22,26 @@ sys.path.insert(0, str(Path(__file__).parent))
 
 import tiny  # noqa: E402
 
+# Whole files left out of the everyday run (single slow tests elsewhere carry @pytest.mark.slow).
+SLOW_FILES = {
+    "test_server.py", "test_server_clients.py", "test_server_concurrency.py", "test_server_prompt_cache.py",
+    "test_structured_server.py",  # each starts real servers
+    "test_blas.py",  # every case is a fresh interpreter
+    "test_lossless.py", "test_sampling.py",  # hundreds of randomized decodes; statistical tests
+    "test_parity_reference.py", "test_parity_transformers.py",  # torch
+    "test_training_drafter.py",  # training runs
+}
+
+
+def pytest_collection_modifyitems(config, items):
+    """Every test not marked ``slow`` (or in SLOW_FILES) is ``fast``: ``python -m pytest -m fast`` is
+    the everyday run (in-process tests on tiny models); ``python -m pytest`` runs everything, as CI does."""
+    for item in items:
+        if item.path.name in SLOW_FILES:
+            item.add_marker(pytest.mark.slow)
+        if item.get_closest_marker("slow") is None:
+            item.add_marker(pytest.mark.fast)
+
 
 @pytest.fixture(scope="session")
 def hybrid_target():

@@ -45,6 +45,7 @@ def test_svg_screen_sees_a_space_lost_at_a_run_boundary(tmp_path):
         assert svg_screen(tmp_path / "a.svg")[0].rstrip() == seen
 
 
+@pytest.mark.slow
 def test_demo_side_by_side_in_a_terminal_and_export(embedded_pair, tmp_path):
     """No --model and no --prompt: the embedded pair on its own fitting prompt."""
     pexpect = pytest.importorskip("pexpect")
@@ -78,6 +79,7 @@ def test_demo_side_by_side_in_a_terminal_and_export(embedded_pair, tmp_path):
     assert "acceptance by draft position" in text and text.count("%") >= 3  # one bar per position (block 4)
 
 
+@pytest.mark.slow
 def test_bench_json_contract(tiny_checkpoints, tmp_path):
     target, drafter = tiny_checkpoints
     prompts = tmp_path / "p.jsonl"
@@ -196,6 +198,7 @@ def test_presets_and_embedded_defaults(monkeypatch, capsys):
     assert set(PRESETS) >= {"qwen3.8-27b"}
 
 
+@pytest.mark.slow
 def test_doctor_self_test_and_demo_on_the_embedded_pair(embedded_pair, run_in_process):
     # in this process: the real-process runs of both commands are in test_cli_generate (doctor) and
     # test_demo_side_by_side_in_a_terminal_and_export above

@@ -21,6 +21,7 @@ def run(*args, timeout=120):
     )
 
 
+@pytest.mark.slow
 def test_generate_json_speculative_equals_no_draft(tiny_checkpoints, run_in_process):
     target, drafter = tiny_checkpoints
     common = ["generate", "--model", str(target), "--prompt", "def f(x):", "--max-tokens", "24", "--json"]
@@ -44,6 +45,7 @@ def test_generate_json_speculative_equals_no_draft(tiny_checkpoints, run_in_proc
     assert pinned["controller"]["policy"] == "fixed"
 
 
+@pytest.mark.slow
 def test_generate_without_model_runs_the_embedded_pair(embedded_pair, run_in_process):
     common = ["generate", "--ignore-chat-template", "--prompt", "class Parser:\n    def __init__(self",
               "--max-tokens", "48", "--json"]
@@ -56,6 +58,7 @@ def test_generate_without_model_runs_the_embedded_pair(embedded_pair, run_in_pro
     assert "needs --model" in _one_line_error(missing_model)
 
 
+@pytest.mark.slow
 def test_generate_streams_text_and_a_summary_line(tiny_checkpoints):
     target, drafter = tiny_checkpoints
     out = run("generate", "--model", str(target), "--draft-model", str(drafter), "--prompt", "hello",
@@ -72,6 +75,7 @@ def _one_line_error(result):
     return lines[0]
 
 
+@pytest.mark.slow
 def test_bad_input_ends_in_one_line(tiny_checkpoints, tmp_path, run_in_process):
     target, drafter = tiny_checkpoints
     base = ["generate", "--prompt", "x"]
@@ -104,6 +108,7 @@ def test_bad_input_ends_in_one_line(tiny_checkpoints, tmp_path, run_in_process):
                                             "--prompt", "ab" * 2100))
 
 
+@pytest.mark.slow
 def test_doctor_reports_backend_blas_and_kernels():
     # --no-self-test: test_cli_demo_bench runs the full `doctor` and checks its self-test line
     out = run("doctor", "--no-self-test")
@@ -118,6 +123,7 @@ BOUNDED_SCHEMA = {"type": "object", "properties": {"name": {"type": "string", "m
                   "required": ["name", "kind", "lines"], "additionalProperties": False}
 
 
+@pytest.mark.slow
 def test_generate_json_schema_forces_a_valid_answer_and_stays_lossless(embedded_pair, tmp_path, run_in_process):
     jsonschema = pytest.importorskip("jsonschema")
     schema = tmp_path / "schema.json"

@@ -20,6 +20,7 @@ def _filled(value) -> bool:
         for k, v in value.items())
 
 
+@pytest.mark.slow
 def test_doctor_report_on_the_embedded_pair_fills_every_section_and_passes(tmp_path, embedded_pair):
     path = tmp_path / "report.json"
     r = subprocess.run([sys.executable, "-m", "dflash2_mlx", "doctor", "--report", str(path), "--prompts", "8",

@@ -162,6 +162,7 @@ def small_tokenizer_dir(tmp_path_factory):
     return root
 
 
+@pytest.mark.slow
 def test_tokenizer_training_is_deterministic_across_processes(small_tokenizer_dir):
     env = dict(os.environ, PYTHONHASHSEED="2", RAYON_NUM_THREADS="1")
     subprocess.run([sys.executable, "-c", _TRAIN_SCRIPT, str(small_tokenizer_dir / "b")], check=True, env=env)
@@ -169,6 +170,7 @@ def test_tokenizer_training_is_deterministic_across_processes(small_tokenizer_di
         assert (small_tokenizer_dir / "a" / name).read_bytes() == (small_tokenizer_dir / "b" / name).read_bytes()
 
 
+@pytest.mark.slow
 def test_tokenizer_round_trips_and_keeps_specials_plain(small_tokenizer_dir):
     from tokenizers import Tokenizer
 
@@ -183,6 +185,7 @@ def test_tokenizer_round_trips_and_keeps_specials_plain(small_tokenizer_dir):
     assert 0 not in ids and tok.decode(ids) == "s = '<|endoftext|>'"
 
 
+@pytest.mark.slow
 def test_chat_template_renders_chatml_and_matches_training_ids(small_tokenizer_dir):
     from mlx_lm.utils import load_tokenizer
     from tokenizers import Tokenizer
@@ -234,6 +237,7 @@ def test_train_logits_equal_the_model_forward():
     assert mx.allclose(model(x), tt.train_logits(model, x, chunk=16), atol=1e-4).item()
 
 
+@pytest.mark.slow
 def test_five_steps_reduce_loss_and_save_a_loadable_generating_target(small_tokenizer_dir, tmp_path):
     from tokenizers import Tokenizer
 
@@ -318,6 +322,7 @@ def test_assets_api_points_into_the_package_or_says_how_to_build_the_pair():
     assert assets.manifest()["name"] == assets.DEMO_NAME
 
 
+@pytest.mark.slow
 def test_the_ablation_trains_on_the_builds_own_drafter_data_and_caches_it(tmp_path):
     """The ablation's drafters see exactly what the build's drafter does (greedy then sampled
     continuations of the embedded target), generated once per work directory."""
