@@ -323,13 +323,24 @@ def test_assets_api_points_into_the_package_or_says_how_to_build_the_pair():
 
 
 @pytest.mark.slow
-def test_the_ablation_trains_on_the_builds_own_drafter_data_and_caches_it(tmp_path):
+def test_the_ablation_trains_on_the_builds_own_drafter_data_and_caches_it(tmp_path, monkeypatch):
     """The ablation's drafters see exactly what the build's drafter does (greedy then sampled
     continuations of the embedded target), generated once per work directory."""
     from dflash2_mlx.assets import demo_target_path
     from dflash2_mlx.models.loading import load_target
     from dflash2_mlx.training import ablation
 
+    # Tokenizing the whole corpus is most of this test's time and gives the same documents both
+    # times (the tokenizer is deterministic): the second call reuses the first call's.
+    first_documents = []
+    build_documents = build.build_documents
+
+    def documents_once(*args):
+        if not first_documents:
+            first_documents.append(build_documents(*args))
+        return first_documents[0]
+
+    monkeypatch.setattr(build, "build_documents", documents_once)
     plan = build.QUICK
     target = load_target(str(demo_target_path()))
     seqs, prompts = ablation.training_data(plan, target, tmp_path, build.Log())
