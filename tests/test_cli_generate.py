@@ -59,10 +59,11 @@ def test_generate_without_model_runs_the_embedded_pair(embedded_pair, run_in_pro
 
 
 @pytest.mark.slow
-def test_generate_streams_text_and_a_summary_line(tiny_checkpoints):
+def test_generate_streams_text_and_a_summary_line(tiny_checkpoints, run_in_process):
+    # in this process: test_blas runs this same command (text mode) in real processes
     target, drafter = tiny_checkpoints
-    out = run("generate", "--model", str(target), "--draft-model", str(drafter), "--prompt", "hello",
-              "--max-tokens", "8", "--ignore-chat-template", "--block-size", "4")
+    out = run_in_process("generate", "--model", str(target), "--draft-model", str(drafter), "--prompt", "hello",
+                         "--max-tokens", "8", "--ignore-chat-template", "--block-size", "4")
     assert out.returncode == 0, out.stderr
     assert "tok/s" in out.stderr and "acceptance length" in out.stderr
 
