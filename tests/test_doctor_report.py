@@ -23,8 +23,8 @@ def _filled(value) -> bool:
 @pytest.mark.slow
 def test_doctor_report_on_the_embedded_pair_fills_every_section_and_passes(tmp_path, embedded_pair):
     path = tmp_path / "report.json"
-    r = subprocess.run([sys.executable, "-m", "dflash2_mlx", "doctor", "--report", str(path), "--prompts", "4",
-                        "--tokens", "16", "--speed-tokens", "16"], capture_output=True, text=True, timeout=300)
+    r = subprocess.run([sys.executable, "-m", "dflash2_mlx", "doctor", "--report", str(path), "--prompts", "8",
+                        "--tokens", "16", "--speed-tokens", "32"], capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr
     assert "lossless pass" in r.stdout
     report = json.loads(path.read_text())
@@ -38,14 +38,14 @@ def test_doctor_report_on_the_embedded_pair_fills_every_section_and_passes(tmp_p
     assert all(t["reference_us"] > 0 for t in kernels["timings_float32"].values())
     assert report["rollback"] == {**report["rollback"], "setting": "auto", "path": "keep"}
     lossless = report["lossless"]
-    assert lossless["prompts"] == 4 and lossless["tokens_per_prompt"] == 16
-    assert lossless["identical"] == 4 and lossless["divergence_rate"] == 0.0 and lossless["verdict"] == "pass"
-    assert len(lossless["per_prompt"]) == 4 and all(p["tokens"] == 16 for p in lossless["per_prompt"])
+    assert lossless["prompts"] == 8 and lossless["tokens_per_prompt"] == 16
+    assert lossless["identical"] == 8 and lossless["divergence_rate"] == 0.0 and lossless["verdict"] == "pass"
+    assert len(lossless["per_prompt"]) == 8 and all(p["tokens"] == 16 for p in lossless["per_prompt"])
     assert 0 < lossless["rounding"]["bound"] < 1e-3  # float32 rounding on the CPU
     (run,) = report["speed"]["runs"]
-    assert run["generated_tokens"] == 16
+    assert run["generated_tokens"] == 32
     for mode in ("plain", "block_8", "auto"):
-        assert run[mode]["generated"] == 16 and run[mode]["decode_tps"] > 0
+        assert run[mode]["generated"] == 32 and run[mode]["decode_tps"] > 0
         assert len(run[mode]["decode_tps_samples"]) == report["speed"]["repeats"] == 2
     assert run["block_8"]["acceptance_length"] > 1
     memory = report["memory"]
