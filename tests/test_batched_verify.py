@@ -118,6 +118,7 @@ def _forcing(prompt_len, block, total):
     return corrupt
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kind", ["hybrid", "plain"])
 def test_every_sequence_decodes_its_solo_greedy_output_under_batched_verify(kind, hybrid_target, plain_target):
     """Four sequences at once: different prompt lengths, block sizes and lengths (so the batch
@@ -204,6 +205,7 @@ def test_a_second_verify_request_within_a_step_is_answered_alone(hybrid_target):
     assert caches[0].offset == 3 + 3 + 1 and caches[1].offset == 4 + 3
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kind", ["hybrid", "plain"])
 def test_sampling_under_batched_verify_draws_what_taking_turns_draws(kind, hybrid_target, plain_target):
     """Sampled decoding: with the same seed, lock-step decoding with batched verify passes gives

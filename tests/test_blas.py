@@ -69,6 +69,15 @@ def test_mkl_from_its_wheel_takes_over_mlx_matmuls_single_threaded():
     assert "sequential" in stdout
 
 
+@linux_x86_64
+def test_the_test_process_itself_runs_on_the_optimised_blas():
+    """conftest.py imports dflash2_mlx before mlx.core, as a user's program does, so the in-process
+    tests decode on the BLAS users get (an import reordering once left them on the reference one)."""
+    from dflash2_mlx.backend import blas
+
+    assert blas.loaded is not None, blas.status
+
+
 @pytest.mark.skipif(not system_openblas_present(), reason="no system OpenBLAS on this machine")
 def test_system_openblas_comes_first_when_installed():
     result, _ = probe("")

@@ -80,6 +80,7 @@ def endless_pair(embedded_pair, tmp_path):
     return ["--model", str(copy), "--draft-model", str(drafter)]
 
 
+@pytest.mark.slow
 def test_two_turns_prefill_only_new_tokens_and_save_load(embedded_pair, endless_pair, tmp_path):
     target, _ = embedded_pair
     # answers that never end, so the 16-token answer does not close its turn and the cached
@@ -131,6 +132,7 @@ def test_two_turns_prefill_only_new_tokens_and_save_load(embedded_pair, endless_
     assert child.exitstatus == 0
 
 
+@pytest.mark.slow
 def test_ctrl_c_stops_the_answer_and_the_chat_goes_on(endless_pair):
     child = spawn(*endless_pair, "--max-tokens", "100000", "--temp", "0")
     try:
@@ -227,6 +229,7 @@ QWEN_STYLE_TEMPLATE = (
 )
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("thinking", [True, False])
 def test_chat_reuses_message_boundaries_with_a_thinking_template(tiny_checkpoints, tmp_path, thinking):
     import io
@@ -292,6 +295,7 @@ def test_reasoning_is_dimmed_and_collapsible():
             assert "▸ thought for" in screen and "16 characters" in screen
 
 
+@pytest.mark.slow
 def test_json_schema_and_the_schema_command_force_answers_into_a_schema(tmp_path):
     jsonschema = pytest.importorskip("jsonschema")
     schema = {"type": "object", "properties": {"ok": {"type": "boolean"}, "n": {"type": "integer", "minimum": 0,

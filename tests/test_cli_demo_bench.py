@@ -45,6 +45,7 @@ def test_svg_screen_sees_a_space_lost_at_a_run_boundary(tmp_path):
         assert svg_screen(tmp_path / "a.svg")[0].rstrip() == seen
 
 
+@pytest.mark.slow
 def test_demo_side_by_side_in_a_terminal_and_export(embedded_pair, tmp_path):
     """No --model and no --prompt: the embedded pair on its own fitting prompt."""
     pexpect = pytest.importorskip("pexpect")
@@ -52,7 +53,9 @@ def test_demo_side_by_side_in_a_terminal_and_export(embedded_pair, tmp_path):
     env = dict(os.environ, TERM="xterm", COLUMNS="120", LINES="40")
     child = pexpect.spawn(
         sys.executable,
-        ["-m", "dflash2_mlx", "demo", "--max-tokens", "40", "--block-size", "4", "--height", "6", "--export", str(svg)],
+        # --replay-speed: the replay still animates, without waiting out the measured time again
+        ["-m", "dflash2_mlx", "demo", "--max-tokens", "40", "--block-size", "4", "--height", "6", "--export", str(svg),
+         "--replay-speed", "20"],
         env=env, encoding="utf-8", timeout=120, dimensions=(40, 120))
     try:
         child.expect(pexpect.EOF)
@@ -76,6 +79,7 @@ def test_demo_side_by_side_in_a_terminal_and_export(embedded_pair, tmp_path):
     assert "acceptance by draft position" in text and text.count("%") >= 3  # one bar per position (block 4)
 
 
+@pytest.mark.slow
 def test_bench_json_contract(tiny_checkpoints, tmp_path):
     target, drafter = tiny_checkpoints
     prompts = tmp_path / "p.jsonl"
@@ -194,13 +198,15 @@ def test_presets_and_embedded_defaults(monkeypatch, capsys):
     assert set(PRESETS) >= {"qwen3.8-27b"}
 
 
-def test_doctor_self_test_and_demo_on_the_embedded_pair(embedded_pair):
-    r = subprocess.run([sys.executable, "-m", "dflash2_mlx", "doctor"], capture_output=True, text=True, timeout=120)
+@pytest.mark.slow
+def test_doctor_self_test_and_demo_on_the_embedded_pair(embedded_pair, run_in_process):
+    # in this process: the real-process runs of both commands are in test_cli_generate (doctor) and
+    # test_demo_side_by_side_in_a_terminal_and_export above
+    r = run_in_process("doctor")
     assert r.returncode == 0, r.stderr
     line = next(l for l in r.stdout.splitlines() if l.startswith("self-test"))
     assert "lossless" in line and "acceptance length" in line
-    r = subprocess.run([sys.executable, "-m", "dflash2_mlx", "demo", "--max-tokens", "32", "--replay-speed", "100"],
-                       capture_output=True, text=True, timeout=120)
+    r = run_in_process("demo", "--max-tokens", "32", "--replay-speed", "100")
     assert r.returncode == 0, r.stderr
     out = " ".join(r.stdout.split())  # rich wraps at 80 columns when not on a terminal
     assert "speedup" in out and "outputs identical: yes" in out

@@ -1,17 +1,16 @@
-"""`dflash2-mlx generate`, run as a user runs it: a real process, checkpoints on disk.
+"""`dflash2-mlx generate`, run as a user runs it: checkpoints on disk, the console entry point.
 
-The bad-input cases run the same console entry point (``main()``, which turns errors into one
-line) in this process, capturing file descriptors 1 and 2, so each case does not pay a fresh
-interpreter's start-up; one of them still runs in a real process.
+Each contract is checked once in a real process (one JSON object on stdout, logs on stderr, exit
+codes); the runs it is compared with, and the bad-input cases, run the same entry point
+(``main()``) in this process through the ``run_in_process`` fixture (conftest.py), capturing file
+descriptors 1 and 2, so each does not pay a fresh interpreter's start-up.
 """
 
 from __future__ import annotations
 
 import json
-import logging
 import subprocess
 import sys
-import warnings
 
 import pytest
 
@@ -22,11 +21,12 @@ def run(*args, timeout=120):
     )
 
 
-def test_generate_json_speculative_equals_no_draft(tiny_checkpoints):
+@pytest.mark.slow
+def test_generate_json_speculative_equals_no_draft(tiny_checkpoints, run_in_process):
     target, drafter = tiny_checkpoints
     common = ["generate", "--model", str(target), "--prompt", "def f(x):", "--max-tokens", "24", "--json"]
-    spec = run(*common, "--draft-model", str(drafter))
-    plain = run(*common, "--no-draft")
+    spec = run(*common, "--draft-model", str(drafter))  # a real process: nothing else reaches stdout
+    plain = run_in_process(*common, "--no-draft")
     assert spec.returncode == 0, spec.stderr
     assert plain.returncode == 0, plain.stderr
     s, p = json.loads(spec.stdout), json.loads(plain.stdout)  # exactly one JSON object on stdout
@@ -39,27 +39,31 @@ def test_generate_json_speculative_equals_no_draft(tiny_checkpoints):
     assert controller["policy"] == "auto" and sum(controller["tokens_by_mode"].values()) >= len(s["tokens"]) - 1
     assert sum(int(n) for n in controller["block_sizes"].values()) == s["verify_steps"] + s["plain_steps"]
     assert p["verify_steps"] == 0 and p["acceptance_length"] == 1.0
-    pinned = json.loads(run(*common, "--draft-model", str(drafter), "--block-size", "4").stdout)
+    pinned = json.loads(run_in_process(*common, "--draft-model", str(drafter), "--block-size", "4").stdout)
     assert pinned["tokens"] == p["tokens"] and pinned["verify_steps"] > 0 and pinned["plain_steps"] == 0
     assert pinned["acceptance_length"] == (len(pinned["tokens"]) - 1) / pinned["verify_steps"]
     assert pinned["controller"]["policy"] == "fixed"
 
 
-def test_generate_without_model_runs_the_embedded_pair(embedded_pair):
+@pytest.mark.slow
+def test_generate_without_model_runs_the_embedded_pair(embedded_pair, run_in_process):
     common = ["generate", "--ignore-chat-template", "--prompt", "class Parser:\n    def __init__(self",
               "--max-tokens", "48", "--json"]
-    spec, plain = run(*common, "--block-size", "8"), run(*common, "--no-draft")
+    spec, plain = run(*common, "--block-size", "8"), run_in_process(*common, "--no-draft")
     assert spec.returncode == 0 and plain.returncode == 0, spec.stderr + plain.stderr
     s, p = json.loads(spec.stdout), json.loads(plain.stdout)
     assert s["tokens"] == p["tokens"] and len(s["tokens"]) == 48
     assert s["acceptance_length"] >= 3.0  # at the drafter's own block size (auto may pick smaller ones)
-    assert "needs --model" in _one_line_error(run("generate", "--prompt", "x", "--draft-model", str(embedded_pair[1])))
+    missing_model = run_in_process("generate", "--prompt", "x", "--draft-model", str(embedded_pair[1]))
+    assert "needs --model" in _one_line_error(missing_model)
 
 
-def test_generate_streams_text_and_a_summary_line(tiny_checkpoints):
+@pytest.mark.slow
+def test_generate_streams_text_and_a_summary_line(tiny_checkpoints, run_in_process):
+    # in this process: test_blas runs this same command (text mode) in real processes
     target, drafter = tiny_checkpoints
-    out = run("generate", "--model", str(target), "--draft-model", str(drafter), "--prompt", "hello",
-              "--max-tokens", "8", "--ignore-chat-template", "--block-size", "4")
+    out = run_in_process("generate", "--model", str(target), "--draft-model", str(drafter), "--prompt", "hello",
+                         "--max-tokens", "8", "--ignore-chat-template", "--block-size", "4")
     assert out.returncode == 0, out.stderr
     assert "tok/s" in out.stderr and "acceptance length" in out.stderr
 
@@ -72,36 +76,7 @@ def _one_line_error(result):
     return lines[0]
 
 
-@pytest.fixture
-def run_in_process(capfd, caplog, monkeypatch):
-    """run_in_process(*args): ``dflash2-mlx *args`` through the console entry point ``main()`` in
-    this process -> a CompletedProcess-like result: the exit code, what reached fds 1 and 2, and on
-    stderr also what a fresh interpreter would have printed there but pytest intercepts (Python
-    warnings under the interpreter's default filters, log records at WARNING and above)."""
-    from dflash2_mlx.cli.app import main
-
-    def run_main(*args):
-        capfd.readouterr()  # drop anything written before
-        caplog.clear()
-        monkeypatch.setattr(sys, "argv", ["dflash2-mlx", *args])
-        code = 0
-        with warnings.catch_warnings(record=True) as caught:
-            warnings.resetwarnings()
-            warnings.simplefilter("always")
-            for category in (DeprecationWarning, PendingDeprecationWarning, ImportWarning, ResourceWarning):
-                warnings.filterwarnings("ignore", category=category)
-            try:
-                main()
-            except SystemExit as e:
-                code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
-        out, err = capfd.readouterr()
-        err += "".join(warnings.formatwarning(w.message, w.category, w.filename, w.lineno) for w in caught)
-        err += "".join(f"{r.levelname}: {r.getMessage()}\n" for r in caplog.records if r.levelno >= logging.WARNING)
-        return subprocess.CompletedProcess(["dflash2-mlx", *args], code, out, err)
-
-    return run_main
-
-
+@pytest.mark.slow
 def test_bad_input_ends_in_one_line(tiny_checkpoints, tmp_path, run_in_process):
     target, drafter = tiny_checkpoints
     base = ["generate", "--prompt", "x"]
@@ -134,6 +109,7 @@ def test_bad_input_ends_in_one_line(tiny_checkpoints, tmp_path, run_in_process):
                                             "--prompt", "ab" * 2100))
 
 
+@pytest.mark.slow
 def test_doctor_reports_backend_blas_and_kernels():
     # --no-self-test: test_cli_demo_bench runs the full `doctor` and checks its self-test line
     out = run("doctor", "--no-self-test")
@@ -148,13 +124,14 @@ BOUNDED_SCHEMA = {"type": "object", "properties": {"name": {"type": "string", "m
                   "required": ["name", "kind", "lines"], "additionalProperties": False}
 
 
-def test_generate_json_schema_forces_a_valid_answer_and_stays_lossless(embedded_pair, tmp_path):
+@pytest.mark.slow
+def test_generate_json_schema_forces_a_valid_answer_and_stays_lossless(embedded_pair, tmp_path, run_in_process):
     jsonschema = pytest.importorskip("jsonschema")
     schema = tmp_path / "schema.json"
     schema.write_text(json.dumps(BOUNDED_SCHEMA))
     common = ["generate", "--ignore-chat-template", "--prompt", "def f(x):", "--max-tokens", "80", "--json",
               "--json-schema", str(schema)]
-    spec, plain = run(*common), run(*common, "--no-draft")
+    spec, plain = run_in_process(*common), run_in_process(*common, "--no-draft")
     assert spec.returncode == 0, spec.stderr
     s, p = json.loads(spec.stdout), json.loads(plain.stdout)
     assert s["tokens"] == p["tokens"] and s["finish_reason"] == "stop" and s["verify_steps"] > 0

@@ -83,6 +83,7 @@ def test_every_constrained_output_of_a_random_model_validates_against_the_schema
     assert len(texts) > 3  # sampling explored the schema's language, not one fixed answer
 
 
+@pytest.mark.slow
 def test_constrained_speculative_greedy_equals_constrained_plain_greedy(hybrid_target, plain_target, schema_grammar):
     """40 random set-ups: target kind, drafter version, block size 2..16, oracle drafter corrupted
     at random rates or a random drafter (whose drafts nearly always break the grammar), drafts
@@ -116,6 +117,7 @@ def test_constrained_speculative_greedy_equals_constrained_plain_greedy(hybrid_t
     assert refused_drafts > 0 and {0, 1, 2, 3} <= accepted_counts and max(accepted_counts) >= 8
 
 
+@pytest.mark.slow
 def test_constrained_speculative_sampling_with_masked_drafts_always_gives_a_valid_answer(hybrid_target, plain_target,
                                                                                         byte_tokenizer, schema_grammar):
     """12 random set-ups of sampled DFlash 2 under the schema (the drafts walk the grammar): target
@@ -329,6 +331,7 @@ def test_drafts_are_walked_while_refused_drafts_end_the_accepted_run(byte_tokeni
     assert seen[-1] is True
 
 
+@pytest.mark.slow
 def test_the_sampled_grammar_walk_draws_only_allowed_candidates_from_the_renormalised_q(byte_tokenizer):
     """sampled_path over the words ab | ad | ba | ca: row i's q is softmax(scores / T) after the
     previous pick, over the candidates the grammar allows there (refused ones and the stop token
@@ -486,6 +489,7 @@ class _WalkRecorder:
         return state
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("version, mask_drafts", [(1, True), (2, True), (2, False)])
 def test_constrained_speculative_sampling_matches_the_constrained_joint_distribution(version, mask_drafts, tmp_path):
     """The first three tokens (prefill's, then a cycle's drafts, accept/reject and bonus, all under

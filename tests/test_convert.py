@@ -155,6 +155,7 @@ def test_convert_cli_drafter_default_and_errors(hf_checkpoints, tmp_path, capsys
     assert "does not exist" in one_line_error(*cli(capsys, monkeypatch, "convert", "--hf-path", str(tmp_path / "nope"), "--out", str(tmp_path / "z"))[::2])
 
 
+@pytest.mark.slow
 def test_download_one_line_errors(tmp_path, capsys, monkeypatch):
     code, _, err = cli(capsys, monkeypatch, "download")
     assert "repo id" in one_line_error(code, err)

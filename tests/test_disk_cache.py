@@ -65,6 +65,7 @@ def _consistent(root: Path) -> dict:
     return entries
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("speculative", [True, False])
 def test_a_restart_restores_the_prefix_from_disk_and_the_output_is_unchanged(pair, tmp_path, speculative):
     reference, _ = _generate(pair, PROMPT, speculative=speculative)
@@ -219,6 +220,7 @@ WRITER = textwrap.dedent("""
 """)
 
 
+@pytest.mark.slow
 def test_two_processes_writing_one_directory_leave_it_consistent(tmp_path):
     one_entry = 2 * 2 * 64 * 16 * 4
     budget = 30 * one_entry  # fewer than the 80 written: eviction runs while both write

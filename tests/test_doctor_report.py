@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 
@@ -21,6 +20,7 @@ def _filled(value) -> bool:
         for k, v in value.items())
 
 
+@pytest.mark.slow
 def test_doctor_report_on_the_embedded_pair_fills_every_section_and_passes(tmp_path, embedded_pair):
     path = tmp_path / "report.json"
     r = subprocess.run([sys.executable, "-m", "dflash2_mlx", "doctor", "--report", str(path), "--prompts", "8",
@@ -83,15 +83,15 @@ def test_the_rounding_bound_is_float32_rounding_on_the_cpu_for_either_rollback_p
     assert 0 <= bound["bound"] < 1e-3 and bound["rows"] == 8  # logits of order 100 here
 
 
-def test_doctor_prints_the_active_rollback_path():
-    env = {**os.environ, "DFLASH2_MLX_ROLLBACK": "replay"}
-    r = subprocess.run([sys.executable, "-m", "dflash2_mlx", "doctor", "--no-self-test"], capture_output=True,
-                       text=True, timeout=120, env=env)
+def test_doctor_prints_the_active_rollback_path(run_in_process, monkeypatch):
+    # in this process (the setting is read when doctor runs); test_cli_generate runs doctor as a process
+    monkeypatch.setenv("DFLASH2_MLX_ROLLBACK", "replay")
+    r = run_in_process("doctor", "--no-self-test")
     assert r.returncode == 0, r.stderr
     line = next(l for l in r.stdout.splitlines() if l.startswith("rollback"))
     assert "replay (forced by DFLASH2_MLX_ROLLBACK)" in line
     exactness = next(l for l in r.stdout.splitlines() if l.startswith("exactness"))
     assert "identical to plain decoding" in exactness
-    bad = subprocess.run([sys.executable, "-m", "dflash2_mlx", "doctor", "--no-self-test"], capture_output=True,
-                         text=True, timeout=120, env={**os.environ, "DFLASH2_MLX_ROLLBACK": "never"})
+    monkeypatch.setenv("DFLASH2_MLX_ROLLBACK", "never")
+    bad = run_in_process("doctor", "--no-self-test")
     assert bad.returncode == 2 and "DFLASH2_MLX_ROLLBACK='never' is not one of" in bad.stderr

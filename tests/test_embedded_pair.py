@@ -82,6 +82,7 @@ def test_the_demo_request_gets_a_short_answer_that_ends_its_turn_and_does_not_lo
     assert stats.acceptance_length >= 3.0  # measured: 5.30
 
 
+@pytest.mark.slow
 def test_zlab_reference_loads_the_pair_and_matches_tokens_and_acceptance(pair, embedded_pair):
     """z-lab's PyPI `dflash` (its MLX implementation) on the same files: same greedy tokens, same
     acceptance length, cycle by cycle. Its load_draft downloads from the Hub; the local directory

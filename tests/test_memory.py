@@ -20,6 +20,7 @@ def _cli(*args, env=None, timeout=120):
 PRESET = presets.get_preset("qwen3.8-27b")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("command", [
     ["generate", "--prompt", "hi", "--preset", "qwen3.8-27b"],
     ["serve", "--port", "0", "--model", PRESET.target, "--draft-model", PRESET.drafter],

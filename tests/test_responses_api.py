@@ -216,6 +216,7 @@ def test_a_thinking_template_gives_a_reasoning_item(qwen_app):
     assert [o["type"] for o in off["output"]] == ["message"]
 
 
+@pytest.mark.slow
 def test_fuzzed_responses_requests_never_get_a_500(qwen_app):
     pytest.importorskip("hypothesis")
     from hypothesis import HealthCheck, given, settings

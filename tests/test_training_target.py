@@ -17,7 +17,7 @@ import dflash2_mlx  # noqa: F401  (OpenBLAS before mlx.core, when this file runs
 import mlx.core as mx
 import pytest
 
-from dflash2_mlx.training import corpus, demo_metrics, demo_plan
+from dflash2_mlx.training import corpus, demo_metrics, demo_plan, demo_stages
 from dflash2_mlx.training import target_trainer as tt
 from dflash2_mlx.training import tokenizer as tk
 
@@ -163,6 +163,7 @@ def small_tokenizer_dir(tmp_path_factory):
     return root
 
 
+@pytest.mark.slow
 def test_tokenizer_training_is_deterministic_across_processes(small_tokenizer_dir):
     env = dict(os.environ, PYTHONHASHSEED="2", RAYON_NUM_THREADS="1")
     subprocess.run([sys.executable, "-c", _TRAIN_SCRIPT, str(small_tokenizer_dir / "b")], check=True, env=env)
@@ -170,6 +171,7 @@ def test_tokenizer_training_is_deterministic_across_processes(small_tokenizer_di
         assert (small_tokenizer_dir / "a" / name).read_bytes() == (small_tokenizer_dir / "b" / name).read_bytes()
 
 
+@pytest.mark.slow
 def test_tokenizer_round_trips_and_keeps_specials_plain(small_tokenizer_dir):
     from tokenizers import Tokenizer
 
@@ -184,6 +186,7 @@ def test_tokenizer_round_trips_and_keeps_specials_plain(small_tokenizer_dir):
     assert 0 not in ids and tok.decode(ids) == "s = '<|endoftext|>'"
 
 
+@pytest.mark.slow
 def test_chat_template_renders_chatml_and_matches_training_ids(small_tokenizer_dir):
     from mlx_lm.utils import load_tokenizer
     from tokenizers import Tokenizer
@@ -235,6 +238,7 @@ def test_train_logits_equal_the_model_forward():
     assert mx.allclose(model(x), tt.train_logits(model, x, chunk=16), atol=1e-4).item()
 
 
+@pytest.mark.slow
 def test_five_steps_reduce_loss_and_save_a_loadable_generating_target(small_tokenizer_dir, tmp_path):
     from tokenizers import Tokenizer
 
@@ -320,13 +324,25 @@ def test_assets_api_points_into_the_package_or_says_how_to_build_the_pair():
     assert assets.manifest()["name"] == assets.DEMO_NAME
 
 
-def test_the_ablation_trains_on_the_builds_own_drafter_data_and_caches_it(tmp_path):
+@pytest.mark.slow
+def test_the_ablation_trains_on_the_builds_own_drafter_data_and_caches_it(tmp_path, monkeypatch):
     """The ablation's drafters see exactly what the build's drafter does (greedy then sampled
     continuations of the embedded target), generated once per work directory."""
     from dflash2_mlx.assets import demo_target_path
     from dflash2_mlx.models.loading import load_target
     from dflash2_mlx.training import ablation
 
+    # Tokenizing the whole corpus is most of this test's time and gives the same documents both
+    # times (the tokenizer is deterministic): the second call reuses the first call's.
+    first_documents = []
+    build_documents = demo_stages.build_documents
+
+    def documents_once(*args):
+        if not first_documents:
+            first_documents.append(build_documents(*args))
+        return first_documents[0]
+
+    monkeypatch.setattr(demo_stages, "build_documents", documents_once)
     plan = demo_plan.QUICK
     target = load_target(str(demo_target_path()))
     seqs, prompts = ablation.training_data(plan, target, tmp_path, demo_plan.Log())
