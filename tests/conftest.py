@@ -31,11 +31,16 @@ import tiny  # noqa: E402
 
 # Whole files left out of the everyday run (single slow tests elsewhere carry @pytest.mark.slow).
 SLOW_FILES = {
-    "test_server.py", "test_server_clients.py", "test_server_concurrency.py", "test_server_prompt_cache.py",
+    "test_server.py",
+    "test_server_clients.py",
+    "test_server_concurrency.py",
+    "test_server_prompt_cache.py",
     "test_structured_server.py",  # each starts real servers
     "test_blas.py",  # every case is a fresh interpreter
-    "test_lossless.py", "test_sampling.py",  # hundreds of randomized decodes; statistical tests
-    "test_parity_reference.py", "test_parity_transformers.py",  # torch
+    "test_lossless.py",
+    "test_sampling.py",  # hundreds of randomized decodes; statistical tests
+    "test_parity_reference.py",
+    "test_parity_transformers.py",  # torch
     "test_training_drafter.py",  # training runs
 }
 

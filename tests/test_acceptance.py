@@ -19,12 +19,15 @@ def _logits_preferring(tokens: list[int]) -> mx.array:
     return rows + mx.eye(VOCAB)[mx.array(tokens)] * 5.0
 
 
-@pytest.mark.parametrize("drafts, target, accepted, bonus", [
-    ([3, 4, 5], [3, 4, 5, 6], 3, 6),  # every draft agrees: the bonus comes from the last row
-    ([3, 4, 5], [3, 4, 7, 6], 2, 7),  # the first disagreement ends the kept prefix
-    ([3, 4, 5], [1, 4, 5, 6], 0, 1),  # later agreement after a disagreement counts for nothing
-    ([3], [3, 2], 1, 2),
-])
+@pytest.mark.parametrize(
+    "drafts, target, accepted, bonus",
+    [
+        ([3, 4, 5], [3, 4, 5, 6], 3, 6),  # every draft agrees: the bonus comes from the last row
+        ([3, 4, 5], [3, 4, 7, 6], 2, 7),  # the first disagreement ends the kept prefix
+        ([3, 4, 5], [1, 4, 5, 6], 0, 1),  # later agreement after a disagreement counts for nothing
+        ([3], [3, 2], 1, 2),
+    ],
+)
 def test_greedy_keeps_the_longest_agreeing_prefix_and_adds_the_targets_next_token(drafts, target, accepted, bonus):
     verdict = accept_greedy(mx.array(drafts, dtype=mx.int32), _logits_preferring(target))
     assert verdict.accepted.shape == (1,) and verdict.accepted.item() == accepted

@@ -20,8 +20,12 @@ class Verdict(NamedTuple):
     bonus: mx.array  # [1]: the target's own token after the kept drafts
 
 
-def accept_greedy(draft_tokens: mx.array, verify_logits: mx.array, draft_q: Optional[mx.array] = None,
-                  candidates: Optional[mx.array] = None) -> Verdict:
+def accept_greedy(
+    draft_tokens: mx.array,
+    verify_logits: mx.array,
+    draft_q: Optional[mx.array] = None,
+    candidates: Optional[mx.array] = None,
+) -> Verdict:
     """Greedy acceptance of ``draft_tokens`` [R] against ``verify_logits`` [R + 1, V] (greedy
     drafts carry no distribution: ``draft_q`` and ``candidates`` are unused).
 
@@ -34,8 +38,13 @@ def accept_greedy(draft_tokens: mx.array, verify_logits: mx.array, draft_q: Opti
     return Verdict(accepted, mx.take(target_tokens, accepted))
 
 
-def accept_sampled(draft_tokens: mx.array, verify_logits: mx.array, draft_q: mx.array,
-                   candidates: Optional[mx.array], sampling: SamplingSettings) -> Verdict:
+def accept_sampled(
+    draft_tokens: mx.array,
+    verify_logits: mx.array,
+    draft_q: mx.array,
+    candidates: Optional[mx.array],
+    sampling: SamplingSettings,
+) -> Verdict:
     """Speculative sampling of ``draft_tokens`` [R] drawn from ``draft_q`` (dense [R, V], or [R, k]
     over ``candidates`` [R, k]) against the target's ``verify_logits`` [R + 1, V].
 

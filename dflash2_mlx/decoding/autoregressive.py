@@ -38,8 +38,11 @@ def generate_autoregressive(
         ahead = None
         if len(history) - len(prompt) + 1 < settings.max_tokens:
             logits, _ = runner(token.reshape(1, 1).astype(mx.int32), cache)
-            lazy_history = mx.concatenate([mx.array(history, dtype=mx.int32), token.reshape(1).astype(mx.int32)]) \
-                if settings.logits_processors else None
+            lazy_history = (
+                mx.concatenate([mx.array(history, dtype=mx.int32), token.reshape(1).astype(mx.int32)])
+                if settings.logits_processors
+                else None
+            )
             if grammar is not None:  # the next mask needs this token: read it while the step computes
                 mx.async_eval(logits)
                 grammar.commit([int(token.item())])

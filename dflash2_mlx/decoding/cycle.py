@@ -68,8 +68,16 @@ VerifyStep = Generator[VerifyRequest, VerifyResult, Verified]
 class SpeculativeRequest:
     """One request's target cache, drafter context, drafting, grammar, profiler and history."""
 
-    def __init__(self, runner: TargetRunner, drafter: Drafter, cache: TargetCache, context: ContextCache,
-                 settings: GenerationSettings, grammar: Optional[GrammarState], committed: list[int]):
+    def __init__(
+        self,
+        runner: TargetRunner,
+        drafter: Drafter,
+        cache: TargetCache,
+        context: ContextCache,
+        settings: GenerationSettings,
+        grammar: Optional[GrammarState],
+        committed: list[int],
+    ):
         """Everything a request's cycles use, chosen once after its prefill: the draft variant,
         the accept rule, and the grammar and profiler (no-op objects when off)."""
         self.cache, self.committed = cache, committed

@@ -102,7 +102,8 @@ class SelectorSampledPick:
     def pick(self, hidden: mx.array, draft_logits: mx.array, anchor_ids: mx.array) -> Draft:
         uniforms = mx.random.uniform(shape=(1, hidden.shape[1]))
         tokens, candidates, q = self.drafter.candidate_selector.sampled(
-            hidden, draft_logits, anchor_ids, self.temperature, uniforms)
+            hidden, draft_logits, anchor_ids, self.temperature, uniforms
+        )
         return Draft(_launched(tokens[0]), candidates[0], q[0])
 
     def resolve(self, draft: Draft) -> Draft:
@@ -112,8 +113,9 @@ class SelectorSampledPick:
 class GrammarWalkPick:
     """DFlash 2 under a grammar: the selector's walk over the candidates the grammar allows."""
 
-    def __init__(self, drafter: Drafter, unmasked: DraftPick, grammar: GrammarState, always: bool,
-                 sampling: SamplingSettings):
+    def __init__(
+        self, drafter: Drafter, unmasked: DraftPick, grammar: GrammarState, always: bool, sampling: SamplingSettings
+    ):
         self.drafter, self.unmasked, self.grammar, self.always = drafter, unmasked, grammar, always
         self.greedy, self.temperature = sampling.greedy, sampling.temperature
 
@@ -139,8 +141,9 @@ class GrammarWalkPick:
         return Draft(mx.array(tokens, dtype=mx.int32), walk.candidates, mx.array(q))
 
 
-def pick_for(drafter: Drafter, sampling: SamplingSettings, grammar: Optional[GrammarState],
-             mask_drafts: Optional[bool]) -> DraftPick:
+def pick_for(
+    drafter: Drafter, sampling: SamplingSettings, grammar: Optional[GrammarState], mask_drafts: Optional[bool]
+) -> DraftPick:
     """The request's draft variant (module docstring)."""
     if not drafter.config.is_dflash2:
         return ArgmaxPick() if sampling.greedy else SampledPick(sampling)

@@ -65,7 +65,12 @@ class OutputCollector:
         if self.finished:
             text += self.stops.flush() if not self.stops.hit else ""
         return GenerationEvent(
-            kept, text, accepted, drafted, finish_reason=self.finished, elapsed=now - self.t_start,
+            kept,
+            text,
+            accepted,
+            drafted,
+            finish_reason=self.finished,
+            elapsed=now - self.t_start,
             logprobs=logprobs[: len(kept)] if logprobs is not None else None,
         )
 

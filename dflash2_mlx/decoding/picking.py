@@ -15,8 +15,9 @@ from dflash2_mlx.decoding.sampling import apply_processors, probabilities, sampl
 from dflash2_mlx.decoding.types import GenerationSettings
 
 
-def pick_token(logits: mx.array, history: Union[list[int], mx.array, None], settings: GenerationSettings,
-               grammar=None) -> tuple[mx.array, mx.array]:
+def pick_token(
+    logits: mx.array, history: Union[list[int], mx.array, None], settings: GenerationSettings, grammar=None
+) -> tuple[mx.array, mx.array]:
     """(the next token [1], the processed logits [1, V]) from one row of logits [1, V]. ``history``
     is what the logits processors see; ``grammar`` (anything with ``mask_next``) masks the row."""
     if settings.logits_processors:

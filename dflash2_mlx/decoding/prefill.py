@@ -70,23 +70,27 @@ def prefill_chunks(runner, prompt, settings, drafter, prefix_cache, save_at):
                 # rows before `point - window` can never be seen by a block from `point` on
                 first = pos if window is None else max(pos, point - window)
                 context.skip(first - context.offset)
-                drafter.absorb(features[:, first - pos:], context)
+                drafter.absorb(features[:, first - pos :], context)
             computed = [a for a in [logits, *(context.keys if context else [])] if a is not None]
             mx.eval([c.state for c in cache.layers], computed)
             pos = end
             if pos < total:
                 yield
         if prefix_cache is not None:
-            prefix_cache.store(PrefixEntry(
-                tuple(prompt[:point]), cache.snapshot(),
-                context.copy() if context is not None else None,
-                logits[:, -1] if point == total else None,
-            ))
+            prefix_cache.store(
+                PrefixEntry(
+                    tuple(prompt[:point]),
+                    cache.snapshot(),
+                    context.copy() if context is not None else None,
+                    logits[:, -1] if point == total else None,
+                )
+            )
     return logits.reshape(1, -1), cache, context, cached
 
 
-def prefill_and_pick(runner, prompt, settings, out: OutputCollector, drafter, prefix_cache, save_at,
-                     grammar=None) -> Generator[GenerationEvent, None, Optional[tuple]]:
+def prefill_and_pick(
+    runner, prompt, settings, out: OutputCollector, drafter, prefix_cache, save_at, grammar=None
+) -> Generator[GenerationEvent, None, Optional[tuple]]:
     """Prefill, then the first generated token -> (cache, context, token, processed logits), or
     None when cancelled during prefill. A generator: with ``settings.yield_during_prefill`` it
     yields an empty event between prefill chunks (use it with ``yield from``)."""

@@ -20,8 +20,7 @@ def check_prompt(prompt: Sequence[int], runner: TargetRunner, settings: Generati
         raise ValueError("the prompt is empty: give at least one token")
     if runner.max_context and len(prompt) >= runner.max_context:
         raise PromptTooLong(
-            f"the prompt has {len(prompt)} tokens but the model's context is {runner.max_context}; "
-            "shorten the prompt"
+            f"the prompt has {len(prompt)} tokens but the model's context is {runner.max_context}; shorten the prompt"
         )
     room = (runner.max_context - len(prompt)) if runner.max_context else settings.max_tokens
     return min(settings.max_tokens, room)

@@ -121,8 +121,14 @@ def generate_speculative(
     return answer_alone(runner, speculative_steps(runner, drafter, prompt, settings, tokenizer, prefix_cache, save_at))
 
 
-def run_calibration_request(runner: TargetRunner, drafter: Drafter, sampling: SamplingSettings,
-                            prompt: Sequence[int], policy: BlockPolicy, max_tokens: int) -> None:
+def run_calibration_request(
+    runner: TargetRunner,
+    drafter: Drafter,
+    sampling: SamplingSettings,
+    prompt: Sequence[int],
+    policy: BlockPolicy,
+    max_tokens: int,
+) -> None:
     """One short request the controller's calibration times (``controller.calibrate``), decoded
     with the caller's kind of sampling and the calibration's block schedule."""
     settings = GenerationSettings(max_tokens=max_tokens, sampling=sampling, policy=policy)

