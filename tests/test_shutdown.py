@@ -19,23 +19,40 @@ from server_helpers import running_server
 
 TERMINATE = "terminate called"
 SCHEMA = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
-TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": {
-    "type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}]
+TOOLS = [
+    {
+        "type": "function",
+        "function": {
+            "name": "get_weather",
+            "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]},
+        },
+    }
+]
 
 
 def structured_requests(model: str) -> list[dict]:
     """A json_schema request and a forced tool call (the grammar paths the abort followed most)."""
     return [
-        {"model": model, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 12,
-         "response_format": {"type": "json_schema", "json_schema": {"name": "s", "schema": SCHEMA}}},
-        {"model": model, "messages": [{"role": "user", "content": "weather?"}], "max_tokens": 12,
-         "tools": TOOLS, "tool_choice": "required"},
+        {
+            "model": model,
+            "messages": [{"role": "user", "content": "hi"}],
+            "max_tokens": 12,
+            "response_format": {"type": "json_schema", "json_schema": {"name": "s", "schema": SCHEMA}},
+        },
+        {
+            "model": model,
+            "messages": [{"role": "user", "content": "weather?"}],
+            "max_tokens": 12,
+            "tools": TOOLS,
+            "tool_choice": "required",
+        },
     ]
 
 
 def run_python(code: str, timeout: float = 120) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-c", textwrap.dedent(code)], capture_output=True, text=True,
-                          timeout=timeout)
+    return subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(code)], capture_output=True, text=True, timeout=timeout
+    )
 
 
 def test_a_thread_that_ran_compiled_mlx_code_cannot_abort_the_interpreter_exit():

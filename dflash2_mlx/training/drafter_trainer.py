@@ -196,8 +196,9 @@ def train_drafter(
         target_logits = None
         if final is not None:
             target_logits = block_target_logits(lm_head, final, anchors, drafter_config.block_size)
-        return drafter_loss(drafter, lm_head, hidden, labels.reshape(M, -1), preds.reshape(M, -1), weights, config,
-                            target_logits)
+        return drafter_loss(
+            drafter, lm_head, hidden, labels.reshape(M, -1), preds.reshape(M, -1), weights, config, target_logits
+        )
 
     loss_and_grad = nn.value_and_grad(drafter, loss_fn)
 
@@ -260,10 +261,14 @@ def train_drafter(
             t0 = time.perf_counter()
             rng = step_rng(config.seed, step)
             idx = batch_indices(n_seq, config.batch_size, config.seed, step)
-            anchors = np.stack([
-                sample_anchors(rng, seq_len, drafter_config.block_size, config.blocks_per_sequence, continuation_start)
-                for _ in idx
-            ])
+            anchors = np.stack(
+                [
+                    sample_anchors(
+                        rng, seq_len, drafter_config.block_size, config.blocks_per_sequence, continuation_start
+                    )
+                    for _ in idx
+                ]
+            )
             blocks, labels, preds = block_arrays(
                 sequences[idx], anchors, drafter_config.block_size, drafter_config.mask_token_id
             )
@@ -273,7 +278,11 @@ def train_drafter(
                 fraction = elapsed / budget
             optimizer.learning_rate = learning_rate_at(config, fraction)
             metrics = train_step(
-                *features(idx), mx.array(blocks), mx.array(anchors), mx.array(labels), mx.array(preds),
+                *features(idx),
+                mx.array(blocks),
+                mx.array(anchors),
+                mx.array(labels),
+                mx.array(preds),
             )
             mx.eval(metrics, drafter.parameters(), optimizer.state)
             dt = time.perf_counter() - t0
