@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Iterator, Optional
 
+from dflash2_mlx.backend.threads import mlx_thread
 from dflash2_mlx.policies.batch_switch import BatchSwitch
 from dflash2_mlx.server.errors import APIError, context_overflow
 from dflash2_mlx.server.metrics import Metrics
@@ -108,7 +109,9 @@ class Worker:
         self._active: RoundRobin[Active] = RoundRobin(max_concurrent)  # changed under _cond
         self._clear_requested = False
         self._gauges_refreshed = 0.0  # time.monotonic() of the last _refresh_gauges
-        self._thread = threading.Thread(target=self._run, name="dflash2-generation", daemon=True)
+        # mlx_thread: the thread frees its MLX compile cache before it ends, or the process can
+        # abort at exit after a clean shutdown (backend/threads.py says why)
+        self._thread = threading.Thread(target=mlx_thread(self._run), name="dflash2-generation", daemon=True)
         # Set once loaded (read by request handlers, never mutated afterwards).
         self.target = self.drafter = self.tokenizer = None
         self.prefix_cache = None
