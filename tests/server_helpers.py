@@ -122,9 +122,12 @@ def serve_command(*args: str) -> list[str]:
 
 @contextlib.contextmanager
 def running_server(
-    args: list[str], log: Path, port: Optional[int] = None, wait: float = 90.0, nice: bool = True
+    args: list[str], log: Path, port: Optional[int] = None, wait: float = 300.0, nice: bool = True
 ) -> Iterator[ServerProcess]:
-    """A `dflash2-mlx serve` process (stderr to ``log``), yielded once /health answers 200."""
+    """A `dflash2-mlx serve` process (stderr to ``log``), yielded once /health answers 200.
+
+    ``wait`` bounds a hung start, it times nothing: loading includes the controller's calibration
+    (a few hundred cycles at nice 19), which on a loaded machine takes minutes."""
     port = port or free_port()
     cmd = serve_command(*args, "--host", "127.0.0.1", "--port", str(port))
     if nice:
