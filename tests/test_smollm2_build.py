@@ -12,7 +12,7 @@ from test_gguf import write_tiny_gguf
 from dflash2_mlx.training.build_smollm2_drafter import COMMITTED_PROMPTS, Build
 from dflash2_mlx.training.smollm2_generation import left_pad
 from dflash2_mlx.training.smollm2_plan import STAGES, TINY, StageRecord
-from dflash2_mlx.training.smollm2_prompts import KINDS, fold, read_prompt_set
+from dflash2_mlx.training.smollm2_prompts import KINDS, fold, question_in, read_prompt_set
 from dflash2_mlx.training.smollm2_stages import load_sequences
 
 
@@ -33,6 +33,17 @@ def test_left_padding_right_aligns_prompts_to_the_longest_or_the_minimum_length(
     padded = left_pad([[5, 6, 7], [8]], pad_id=0, min_len=2)
     assert padded.tolist() == [[5, 6, 7], [0, 0, 8]]
     assert left_pad([[5]], pad_id=0, min_len=3).tolist() == [[0, 0, 5]]
+
+
+@pytest.mark.parametrize("written,question", [
+    ('A student might ask: "What is a bicycle?"', "What is a bicycle?"),
+    ("The answer to this is: What is the sum of the first n numbers?", "What is the sum of the first n numbers?"),
+    ("Sure. Here is one: how do bees make honey? They collect nectar.", "how do bees make honey?"),
+    ("What is a rainbow?", "What is a rainbow?"),
+    ("What a wonderful topic! Networks are the backbone of the internet.", None),
+])
+def test_a_question_is_taken_from_what_the_target_wrote_around_it(written, question):
+    assert question_in(written) == question
 
 
 def test_the_prompt_set_holds_out_every_kind_and_shares_no_request_with_training(tiny_build):

@@ -79,7 +79,7 @@ class Build:
 
     def prompts(self) -> StageRecord:
         from dflash2_mlx.training import corpus as corpus_mod
-        from dflash2_mlx.training.smollm2_prompts import build_prompt_set
+        from dflash2_mlx.training.smollm2_prompts import RECIPE_VERSION, build_prompt_set
 
         p = self.plan
         import pydoc_data.topics
@@ -89,6 +89,7 @@ class Build:
                           "batch_size"),
             corpus=corpus_mod.manifest(corpus_mod.load_corpus(limit=p.corpus_limit))["list_sha256"],
             topics=sha256_file(pydoc_data.topics.__file__),
+            recipe=RECIPE_VERSION,
         )
         out = self.work / "prompts.jsonl"
 

@@ -58,9 +58,14 @@ class SmolPlan:
     drafter_block_size: int = 8
     drafter_taps: tuple = (7, 22)  # of the target's 30 layers, never the last
     drafter_steps: int = 3000
-    # mask_token_id 16 is SmolLM2's "<empty_output>", a special token chat never uses
+    # mask_token_id 16 is SmolLM2's "<empty_output>", a special token chat never uses. Selector
+    # rank 16: its two codebooks are vocabulary x rank (49152 x 32 x 2 in float32 is 12.6 MB), and
+    # rank 32 puts two layers at 45 MB, over the budget; rank 16 gives about 38.7 MB. 8 blocks per
+    # sequence: each step's cost is dominated by the LM head over every block row (drafter and
+    # target logits for the soft targets), 8 x 8 x 7 rows x 49152.
     drafter_options: dict = field(default_factory=lambda: {
-        "soft_target_weight": 0.5, "mask_token_id": 16, "feature_cache_bytes": 6 << 30, "checkpoint_every": 100,
+        "soft_target_weight": 0.5, "mask_token_id": 16, "selector_rank": 16, "blocks_per_sequence": 8,
+        "feature_cache_bytes": 6 << 30, "checkpoint_every": 100,
     })
     # evaluation
     eval_max_tokens: int = 128

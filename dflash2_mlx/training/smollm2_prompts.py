@@ -34,6 +34,8 @@ from dflash2_mlx.training.smollm2_plan import SmolPlan, atomic_write_text
 __all__ = ["KINDS", "build_prompt_set", "read_prompt_set", "request_candidates", "self_written_questions"]
 
 KINDS = ("code", "explain", "short", "self")
+# Part of the stage's key: raise it when the recipe changes what the same inputs produce.
+RECIPE_VERSION = 2
 
 CAPITALS = ("France", "Germany", "Italy", "Spain", "Portugal", "Japan", "China", "India", "Brazil", "Canada",
             "Mexico", "Egypt", "Kenya", "Australia", "Norway", "Sweden", "Poland", "Greece", "Turkey", "Argentina",
@@ -58,6 +60,21 @@ QUESTION_TOPICS = (
 )
 QUESTION_STYLES = ("Write a question about {}.", "Write a short question a student might ask about {}.",
                    "Ask one question about {} that has a clear answer.")
+
+
+def question_in(text: str) -> Optional[str]:
+    """The question in what the target wrote, or None: a small model often wraps it ('A student
+    might ask: "...?"') or answers instead of asking. A quoted question wins; else the sentence
+    that ends at the first question mark."""
+    quoted = re.search(r'"([^"]{10,300}\?)"', text)
+    if quoted:
+        return quoted.group(1).strip()
+    end = text.find("?")
+    if end < 0:
+        return None
+    starts = [text.rfind(sep, 0, end) + len(sep) for sep in (". ", "! ", ": ", "\n") if sep in text[:end]]
+    question = text[max(starts, default=0):end + 1].strip().strip('"')
+    return question if 10 <= len(question) <= 300 else None
 
 
 def fold(text: str) -> str:
@@ -120,7 +137,8 @@ def _unique(requests: list[str]) -> list[str]:
 def self_written_questions(target, count: int, max_tokens: int, batch_size: int,
                            log: Callable[[str], None] = print) -> list[str]:
     """Questions the target writes itself: "Write a question about X" for ``count`` (topic, style)
-    pairs, greedy, each cut at the end of the turn (or at ``max_tokens``)."""
+    pairs, greedy, each cut at the end of the turn (or at ``max_tokens``); answers holding no
+    question are dropped (``question_in``)."""
     tok = target.tokenizer
     asks = [style.format(topic) for style in QUESTION_STYLES for topic in QUESTION_TOPICS][:count]
     ids = [tok.apply_chat_template([{"role": "user", "content": a}], add_generation_prompt=True, tokenize=True)
@@ -133,9 +151,9 @@ def self_written_questions(target, count: int, max_tokens: int, batch_size: int,
         generated = generate_batch(target.runner, left_pad([ids[i] for i in rows], pad), max_tokens)
         for i, row in zip(rows, generated):
             end = next((j for j, t in enumerate(row) if int(t) in stops), len(row))
-            out[i] = tok.decode([int(t) for t in row[:end]]).strip()
-        log(f"prompts: the target wrote {len(out)}/{len(asks)} questions")
-    return [out[i] for i in range(len(asks)) if len(out[i]) > 10]
+            out[i] = question_in(tok.decode([int(t) for t in row[:end]]))
+        log(f"prompts: the target wrote {len(out)}/{len(asks)} answers")
+    return [out[i] for i in range(len(asks)) if out[i] is not None]
 
 
 def build_prompt_set(plan: SmolPlan, target, out: Path, log: Callable[[str], None] = print) -> dict:
@@ -145,7 +163,7 @@ def build_prompt_set(plan: SmolPlan, target, out: Path, log: Callable[[str], Non
     wanted_self = plan.train_per_kind["self"] + plan.heldout_per_kind["self"]
     # a few more than needed: some answers are not questions, some repeat
     written = self_written_questions(target, min(len(QUESTION_TOPICS) * len(QUESTION_STYLES),
-                                                 wanted_self + wanted_self // 4 + 1),
+                                                 2 * wanted_self),
                                      plan.question_tokens, plan.batch_size, log)
     taken = {fold(r) for kind in candidates.values() for r in kind}
     candidates["self"] = [q for q in _unique(written) if fold(q) not in taken]
