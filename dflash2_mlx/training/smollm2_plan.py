@@ -80,10 +80,12 @@ class SmolPlan:
 
 
 FULL = SmolPlan(name="full")
-# Every stage end to end in about a minute: a handful of prompts and tokens, a few steps.
+# Every stage end to end in about a minute: a handful of prompts and tokens, a few steps. It runs
+# the target's question-writing pass but keeps none of its questions: a random tiny target
+# writes no question marks.
 TINY = dataclasses.replace(
-    FULL, name="tiny", train_per_kind={"code": 6, "explain": 4, "short": 4, "self": 2},
-    heldout_per_kind={"code": 1, "explain": 1, "short": 1, "self": 1}, corpus_limit=40, question_tokens=8,
+    FULL, name="tiny", train_per_kind={"code": 6, "explain": 4, "short": 4, "self": 0},
+    heldout_per_kind={"code": 1, "explain": 1, "short": 1, "self": 0}, corpus_limit=40, question_tokens=8,
     context_len=16, continuation_len=16, batch_size=4, drafter_layers=1, drafter_taps=(0, 1), drafter_steps=4,
     drafter_options={"soft_target_weight": 0.5, "mask_token_id": 0, "checkpoint_every": 2, "batch_size": 2,
                      "blocks_per_sequence": 2},

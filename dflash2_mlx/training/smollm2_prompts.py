@@ -163,7 +163,7 @@ def build_prompt_set(plan: SmolPlan, target, out: Path, log: Callable[[str], Non
     wanted_self = plan.train_per_kind["self"] + plan.heldout_per_kind["self"]
     # a few more than needed: some answers are not questions, some repeat
     written = self_written_questions(target, min(len(QUESTION_TOPICS) * len(QUESTION_STYLES),
-                                                 2 * wanted_self),
+                                                 max(2 * wanted_self, 1)),
                                      plan.question_tokens, plan.batch_size, log)
     taken = {fold(r) for kind in candidates.values() for r in kind}
     candidates["self"] = [q for q in _unique(written) if fold(q) not in taken]
