@@ -11,8 +11,9 @@ Stages, in order (each at most about an hour on a quiet 2-core machine; see docs
    when its key matches, so a fresh machine does not redo it; ``--save-prompts`` refreshes it.
 2. ``greedy`` and 3. ``sampled``: the target's own answers to the training prompts (greedy, then
    t=0.7 top-p 0.9), batched, one chunk file per batch.
-4. ``train``: the project's drafter trainer with soft targets (resumes from its checkpoints).
-5. ``evaluate``: acceptance length at t=0 and t=0.7 on the held-out prompts, greedy output checked
+4. ``features``: the target's tapped features of every training sequence, kept on disk.
+5. ``train``: the project's drafter trainer with soft targets (resumes from its checkpoints).
+6. ``evaluate``: acceptance length at t=0 and t=0.7 on the held-out prompts, greedy output checked
    identical to plain decoding; then ``--out`` gets the drafter, MANIFEST.json and a model card.
 
 A finished stage leaves ``WORK/stages/<stage>.json`` with a key of its inputs; a rerun skips it
@@ -130,8 +131,16 @@ class Build:
         return np.concatenate([load_sequences(self.work / "continuations" / name, record.outputs["chunks"])
                                for name, record in (("greedy", greedy), ("sampled", sampled))])
 
-    def train(self, greedy: StageRecord, sampled: StageRecord) -> StageRecord:
-        from dflash2_mlx.training.smollm2_stages import train
+    def features(self, greedy: StageRecord, sampled: StageRecord) -> StageRecord:
+        from dflash2_mlx.training.smollm2_stages import compute_features
+
+        key = stage_key(plan=self.plan.fields("target", "drafter_taps", "batch_size"),
+                        data=[greedy.outputs["sha256"], sampled.outputs["sha256"]])
+        return self.run_stage("features", key, lambda: compute_features(
+            self.plan, self.target, self.sequences(greedy, sampled), self.work / "features", self.log))
+
+    def train(self, greedy: StageRecord, sampled: StageRecord, features: StageRecord) -> StageRecord:
+        from dflash2_mlx.training.smollm2_stages import load_features, train
 
         p = self.plan
         key = stage_key(plan=p.fields("seed", "context_len", "drafter_layers", "drafter_block_size", "drafter_taps",
@@ -146,8 +155,9 @@ class Build:
                 shutil.rmtree(drafter_dir)
             drafter_dir.mkdir(parents=True, exist_ok=True)
             key_file.write_text(key + "\n")
-            out = train(p, self.target, self.sequences(greedy, sampled), drafter_dir, self.log,
-                        progress=sys.stderr.isatty())
+            sequences = self.sequences(greedy, sampled)
+            kept = load_features(p, self.target, sequences, self.work / "features", features.outputs["chunks"])
+            out = train(p, self.target, sequences, drafter_dir, self.log, progress=sys.stderr.isatty(), features=kept)
             out["weights_sha256"] = sha256_file(drafter_dir / "model.safetensors")
             return out
 
@@ -207,8 +217,10 @@ class Build:
             records["greedy"] = self.continuations(records["prompts"], sampled=False)
         if "sampled" in wanted:
             records["sampled"] = self.continuations(records["prompts"], sampled=True)
+        if "features" in wanted:
+            records["features"] = self.features(records["greedy"], records["sampled"])
         if "train" in wanted:
-            records["train"] = self.train(records["greedy"], records["sampled"])
+            records["train"] = self.train(records["greedy"], records["sampled"], records["features"])
         if "evaluate" in wanted:
             records["evaluate"] = self.evaluate(records["prompts"], records["train"])
             self.assemble(records)

@@ -8,6 +8,7 @@ STAGE_WORK = {
     "prompts": "prompt set: coding, explanations, short answers, the target's own questions; held-out split",
     "greedy": "the target's greedy answers to the training prompts (batched)",
     "sampled": "the target's sampled answers (t=0.7, top-p 0.9)",
+    "features": "the target's tapped features of every training window, kept on disk",
     "train": "DFlash 2 drafter, soft targets (the target's distributions)",
     "evaluate": "acceptance at t=0 and t=0.7 on held-out prompts; greedy identical to plain decoding",
 }

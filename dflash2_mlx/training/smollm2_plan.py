@@ -31,7 +31,7 @@ __all__ = [
 ]
 
 # The build's stages, in order (``--stage`` runs one of them, and the ones before it if needed).
-STAGES = ("prompts", "greedy", "sampled", "train", "evaluate")
+STAGES = ("prompts", "greedy", "sampled", "features", "train", "evaluate")
 
 
 @dataclass(frozen=True)

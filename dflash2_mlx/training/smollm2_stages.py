@@ -5,10 +5,12 @@ prompts per forward, one chunk file per batch (a kill loses at most the batch in
 training sequence is the last ``context_len`` tokens of the (left-padded) prompt followed by
 ``continuation_len`` generated tokens, so all sequences have one length, as the trainer needs.
 
-Only token ids are recorded, not the target's tapped features: the trainer
-(``target_features.TargetFeatures``) computes the features from token sequences itself, in one
-batched prefill before the first step, which runs at the target's prefill rate (about 2-4x its
-batched decoding rate here) and keeps the chunk files small (a few MB instead of GB).
+The continuation stages record token ids only, not the target's tapped features: the trainer
+(``target_features.TargetFeatures``) computes features from token sequences (a batched prefill,
+at about 2-4x the target's batched decoding rate here), and the sequences the trainer reads are
+windows of the generated text, whose features the generation pass (full prompt as context) does
+not give. The "features" stage computes them once per window, chunked, and keeps them on disk
+(about 2.7 GB for the full plan) so that a killed training stage resumes without that pass.
 """
 
 from __future__ import annotations
@@ -29,7 +31,16 @@ from dflash2_mlx.training.smollm2_generation import generate_batch, left_pad, pa
 from dflash2_mlx.training.smollm2_plan import SmolPlan, atomic_write_bytes, stage_key
 from dflash2_mlx.training.smollm2_prompts import read_prompt_set
 
-__all__ = ["continuation_batches", "generate_continuations", "load_sequences", "train", "drafter_bytes"]
+__all__ = [
+    "compute_features",
+    "continuation_batches",
+    "copy_drafter",
+    "drafter_bytes",
+    "generate_continuations",
+    "load_features",
+    "load_sequences",
+    "train",
+]
 
 
 def continuation_batches(plan: SmolPlan, tokenizer, prompts: list[dict]) -> list[list[list[int]]]:
@@ -93,13 +104,62 @@ def load_sequences(out_dir: Path, chunks: int) -> np.ndarray:
     return np.concatenate(parts)
 
 
+def compute_features(plan: SmolPlan, target, sequences: np.ndarray, out_dir: Path,
+                     log: Callable[[str], None]) -> dict:
+    """The target's tapped features (and final-normed hidden state, for soft targets) of every
+    training sequence, one ``features_NNNNN.npz`` per batch in ``out_dir``; chunks of the same
+    tokens and taps are kept. The trainer would compute them itself before its first step, but on
+    disk a resumed training run does not pay this pass again."""
+    from dflash2_mlx.training.target_features import TargetFeatures
+
+    taps = list(plan.drafter_taps)
+    chunks = range(0, len(sequences), plan.batch_size)
+    reused, seconds = 0, 0.0
+    for index, start in enumerate(chunks):
+        tokens = sequences[start:start + plan.batch_size]
+        key = stage_key(tokens=hashlib.sha256(tokens.tobytes()).hexdigest(), taps=taps, target=plan.target)
+        path = out_dir / f"features_{index:05d}.npz"
+        if path.exists():
+            with np.load(path) as old:
+                if str(old["key"]) == key:
+                    reused += 1
+                    continue
+        t0 = time.perf_counter()
+        feats, final = TargetFeatures(target.runner, tokens, taps, budget=1 << 62, final=True).cached
+        buffer = io.BytesIO()
+        np.savez(buffer, features=np.array(feats), final=np.array(final), key=np.array(key))
+        atomic_write_bytes(path, buffer.getvalue())
+        dt = time.perf_counter() - t0
+        seconds += dt
+        log(f"features: chunk {index + 1}/{len(chunks)} in {dt:.1f}s, {tokens.size / dt:.0f} tokens/s")
+    return {"chunks": len(chunks), "chunks_reused": reused, "seconds_this_run": round(seconds, 1)}
+
+
+def load_features(plan: SmolPlan, target, sequences: np.ndarray, out_dir: Path, chunks: int):
+    """``TargetFeatures`` of ``sequences`` read back from ``compute_features``'s chunk files."""
+    import mlx.core as mx
+
+    from dflash2_mlx.training.target_features import TargetFeatures
+
+    feats, finals = [], []
+    for index in range(chunks):
+        with np.load(Path(out_dir) / f"features_{index:05d}.npz") as data:
+            feats.append(mx.array(data["features"]))
+            finals.append(mx.array(data["final"]))
+    features, final = mx.concatenate(feats), mx.concatenate(finals)
+    del feats, finals
+    mx.eval(features, final)
+    return TargetFeatures.from_arrays(target.runner, sequences, list(plan.drafter_taps), features, final)
+
+
 def drafter_bytes(drafter_dir: Path) -> int:
     return sum(p.stat().st_size for p in Path(drafter_dir).glob("*.safetensors"))
 
 
 def train(plan: SmolPlan, target, sequences: np.ndarray, out_dir: Path, log: Callable[[str], None],
-          progress: bool = False) -> dict:
-    """Train (or resume training) the drafter in ``out_dir`` on ``sequences`` with soft targets."""
+          progress: bool = False, features=None) -> dict:
+    """Train (or resume training) the drafter in ``out_dir`` on ``sequences`` with soft targets
+    (``features``: the target's taps of ``sequences`` computed before, see ``load_features``)."""
     from dflash2_mlx.training.drafter_trainer import train_drafter
     from dflash2_mlx.training.drafter_training_config import DrafterTrainingConfig
 
@@ -112,7 +172,8 @@ def train(plan: SmolPlan, target, sequences: np.ndarray, out_dir: Path, log: Cal
         convs=True, selector=True, target_layer_ids=taps, **plan.drafter_options,
     )
     t0 = time.perf_counter()
-    train_drafter(target, sequences, out_dir, cfg, continuation_start=plan.context_len, progress=progress)
+    train_drafter(target, sequences, out_dir, cfg, continuation_start=plan.context_len, progress=progress,
+                  features=features)
     seconds = time.perf_counter() - t0
     size = drafter_bytes(out_dir)
     log(f"train: {plan.drafter_steps} steps done in {seconds:.0f}s this run; drafter {size / 1e6:.1f} MB")
