@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 from test_gguf import write_tiny_gguf
 
-from dflash2_mlx.training.build_smollm2_drafter import COMMITTED_PROMPTS, Build
+from dflash2_mlx.training.build_smollm2_drafter import COMMITTED_PROMPTS, Build, StagePaused
 from dflash2_mlx.training.smollm2_generation import left_pad
 from dflash2_mlx.training.smollm2_plan import STAGES, TINY, StageRecord
 from dflash2_mlx.training.smollm2_prompts import KINDS, fold, question_in, read_prompt_set
@@ -99,6 +99,17 @@ def test_a_build_killed_inside_a_stage_redoes_only_the_lost_chunk_and_the_stages
     assert resumed.ran == ["greedy"]  # same data again (deterministic), so train and evaluate keep their keys
     assert redone["greedy"].outputs["chunks_reused"] == len(chunks) - 1
     assert redone["greedy"].outputs["sha256"] == records["greedy"].outputs["sha256"]
+
+
+def test_training_paused_part_way_goes_on_to_the_weights_of_an_uninterrupted_build(tiny_build, tmp_path):
+    plan, _, _, records = tiny_build
+    with pytest.raises(StagePaused, match="paused at step 2"):
+        Build(plan, tmp_path / "work", tmp_path / "out", train_until_step=2).run()
+    assert not StageRecord.path(tmp_path / "work", "train").exists()
+    resumed = Build(plan, tmp_path / "work", tmp_path / "out")
+    finished = resumed.run()
+    assert resumed.ran == ["train", "evaluate"]
+    assert finished["train"].outputs["weights_sha256"] == records["train"].outputs["weights_sha256"]
 
 
 def test_the_committed_prompt_set_has_held_out_prompts_of_every_kind():

@@ -12,7 +12,8 @@ Stages, in order (each at most about an hour on a quiet 2-core machine; see docs
 2. ``greedy`` and 3. ``sampled``: the target's own answers to the training prompts (greedy, then
    t=0.7 top-p 0.9), batched, one chunk file per batch.
 4. ``features``: the target's tapped features of every training sequence, kept on disk.
-5. ``train``: the project's drafter trainer with soft targets (resumes from its checkpoints).
+5. ``train``: the project's drafter trainer with soft targets (resumes from its checkpoints;
+   ``--train-until-step N`` ends a session's share early, a rerun goes on bit for bit).
 6. ``evaluate``: acceptance length at t=0 and t=0.7 on the held-out prompts, greedy output checked
    identical to plain decoding; then ``--out`` gets the drafter, MANIFEST.json and a model card.
 
@@ -45,11 +46,17 @@ COMMITTED_PROMPTS = Path(__file__).resolve().parent / "prompt_sets" / "smollm2_p
 DRAFTER_NAME = "smollm2-135m-dflash2-drafter"
 
 
+class StagePaused(Exception):
+    """A stage stopped on purpose before its end (``--train-until-step``); a rerun goes on."""
+
+
 class Build:
     """One build: the plan, the work directory, the target (loaded once, when a stage needs it)."""
 
-    def __init__(self, plan: SmolPlan, work: Path, out: Path, save_prompts: bool = False):
+    def __init__(self, plan: SmolPlan, work: Path, out: Path, save_prompts: bool = False,
+                 train_until_step: Optional[int] = None):
         self.plan, self.work, self.out, self.save_prompts = plan, Path(work), Path(out), save_prompts
+        self.train_until_step = train_until_step
         self.log = Log()
         self._target = None
         self.ran: list[str] = []
@@ -157,7 +164,11 @@ class Build:
             key_file.write_text(key + "\n")
             sequences = self.sequences(greedy, sampled)
             kept = load_features(p, self.target, sequences, self.work / "features", features.outputs["chunks"])
-            out = train(p, self.target, sequences, drafter_dir, self.log, progress=sys.stderr.isatty(), features=kept)
+            out = train(p, self.target, sequences, drafter_dir, self.log, progress=sys.stderr.isatty(), features=kept,
+                        stop_at_step=self.train_until_step)
+            if out["steps"] < p.drafter_steps:
+                raise StagePaused(f"train: paused at step {out['steps']} of {p.drafter_steps}; "
+                                  "run the same command again (without --train-until-step) to go on")
             out["weights_sha256"] = sha256_file(drafter_dir / "model.safetensors")
             return out
 
@@ -228,11 +239,11 @@ class Build:
         return records
 
 
-def build(plan: SmolPlan, work: Path, out: Path, last_stage: str = STAGES[-1],
-          save_prompts: bool = False) -> dict[str, StageRecord]:
+def build(plan: SmolPlan, work: Path, out: Path, last_stage: str = STAGES[-1], save_prompts: bool = False,
+          train_until_step: Optional[int] = None) -> dict[str, StageRecord]:
     """Run the build's stages up to ``last_stage`` in ``work`` (resuming), the result in ``out``."""
     fix_threads()
-    return Build(plan, work, out, save_prompts).run(last_stage)
+    return Build(plan, work, out, save_prompts, train_until_step).run(last_stage)
 
 
 def main(argv: Optional[list[str]] = None) -> int:
@@ -243,6 +254,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     ap.add_argument("--stage", choices=STAGES, default=STAGES[-1], help="stop after this stage (default: all)")
     ap.add_argument("--plan", choices=sorted(PLANS), default="full", help="full: the real build; tiny: a smoke test")
     ap.add_argument("--target", default=None, help="target model (default: the plan's, smollm2)")
+    ap.add_argument("--train-until-step", type=int, default=None,
+                    help="stop training at this step (a session's share of the train stage); rerun to go on")
     ap.add_argument("--save-prompts", action="store_true",
                     help="copy the prompt set into the package (training/prompt_sets) to commit it")
     args = ap.parse_args(argv)
@@ -252,10 +265,13 @@ def main(argv: Optional[list[str]] = None) -> int:
     from dflash2_mlx.models.loading import LoadError
 
     try:
-        build(plan, args.work, args.out, args.stage, args.save_prompts)
+        build(plan, args.work, args.out, args.stage, args.save_prompts, args.train_until_step)
     except LoadError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    except StagePaused as e:
+        print(str(e), file=sys.stderr)
+        return 3
     return 0
 
 

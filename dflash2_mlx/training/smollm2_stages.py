@@ -22,7 +22,7 @@ import json
 import shutil
 import time
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Optional
 
 import numpy as np
 
@@ -157,7 +157,7 @@ def drafter_bytes(drafter_dir: Path) -> int:
 
 
 def train(plan: SmolPlan, target, sequences: np.ndarray, out_dir: Path, log: Callable[[str], None],
-          progress: bool = False, features=None) -> dict:
+          progress: bool = False, features=None, stop_at_step: Optional[int] = None) -> dict:
     """Train (or resume training) the drafter in ``out_dir`` on ``sequences`` with soft targets
     (``features``: the target's taps of ``sequences`` computed before, see ``load_features``)."""
     from dflash2_mlx.training.drafter_trainer import train_drafter
@@ -169,17 +169,18 @@ def train(plan: SmolPlan, target, sequences: np.ndarray, out_dir: Path, log: Cal
         raise ValueError(f"drafter taps {taps} must be layers of the target below its last one ({last})")
     cfg = DrafterTrainingConfig(
         block_size=plan.drafter_block_size, layers=plan.drafter_layers, steps=plan.drafter_steps, seed=plan.seed,
-        convs=True, selector=True, target_layer_ids=taps, **plan.drafter_options,
+        convs=True, selector=True, target_layer_ids=taps, stop_at_step=stop_at_step, **plan.drafter_options,
     )
     t0 = time.perf_counter()
     train_drafter(target, sequences, out_dir, cfg, continuation_start=plan.context_len, progress=progress,
                   features=features)
     seconds = time.perf_counter() - t0
     size = drafter_bytes(out_dir)
-    log(f"train: {plan.drafter_steps} steps done in {seconds:.0f}s this run; drafter {size / 1e6:.1f} MB")
+    state = json.loads((Path(out_dir) / "training_state" / "state.json").read_text())
+    log(f"train: at step {state.get('step')} of {plan.drafter_steps} after {seconds:.0f}s this run; "
+        f"drafter {size / 1e6:.1f} MB")
     if size > plan.max_drafter_bytes:
         raise ValueError(f"the drafter is {size / 1e6:.1f} MB, over the {plan.max_drafter_bytes / 1e6:.0f} MB budget")
-    state = json.loads((Path(out_dir) / "training_state" / "state.json").read_text())
     return {"training": dataclasses.asdict(cfg), "bytes": size, "seconds_this_run": round(seconds, 1),
             "loss_history": state.get("history", [])[-5:], "steps": state.get("step")}
 
