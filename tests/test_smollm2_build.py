@@ -79,6 +79,8 @@ def test_the_build_writes_a_manifest_a_model_card_and_a_drafter_identical_to_pla
     card = (out / "README.md").read_text()
     assert "Apache-2.0" in card and "SmolLM2" in card and "| train |" in card
     assert json.loads((out / "config.json").read_text())["dflash_config"]["target_layer_ids"] == list(plan.drafter_taps)
+    held = [json.loads(line) for line in (out / "heldout_prompts.jsonl").read_text().splitlines()]
+    assert len(held) == evaluation["prompts"] and all(set(row) == {"messages"} for row in held)
 
 
 def test_a_rerun_skips_every_finished_stage(tiny_build):

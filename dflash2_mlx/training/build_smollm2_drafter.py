@@ -216,6 +216,13 @@ class Build:
             "timings_seconds": {name: r.seconds for name, r in records.items()},
             "files": {name: sha256_file(self.out / name) for name in ("model.safetensors", "config.json")},
         }
+        # the held-out prompts in the shape `dflash2-mlx bench --prompts` reads, for the speed tables
+        from dflash2_mlx.training.smollm2_prompts import read_prompt_set
+
+        held = read_prompt_set(Path(records["prompts"].outputs["file"]), "heldout")
+        atomic_write_text(self.out / "heldout_prompts.jsonl",
+                          "".join(json.dumps({"messages": r["messages"]}) + "\n" for r in held))
+        manifest["files"]["heldout_prompts.jsonl"] = sha256_file(self.out / "heldout_prompts.jsonl")
         atomic_write_text(self.out / "MANIFEST.json", json.dumps(manifest, indent=1) + "\n")
         atomic_write_text(self.out / "README.md", model_card(manifest))
         return manifest
