@@ -57,7 +57,10 @@ class SmolPlan:
     drafter_layers: int = 2
     drafter_block_size: int = 8
     drafter_taps: tuple = (7, 22)  # of the target's 30 layers, never the last
-    drafter_steps: int = 3000
+    # 2000 steps, not the tiny pair's 3000: a step cost about a tenth of a 32 x 128-token
+    # generation chunk in the same run (docs/smollm2.md), 1-4 s on a quiet machine, and 3000
+    # would overrun the build's 3 hours
+    drafter_steps: int = 2000
     # mask_token_id 16 is SmolLM2's "<empty_output>", a special token chat never uses. Selector
     # rank 16: its two codebooks are vocabulary x rank (49152 x 32 x 2 in float32 is 12.6 MB), and
     # rank 32 puts two layers at 45 MB, over the budget; rank 16 gives about 38.7 MB. 8 blocks per
