@@ -11,7 +11,7 @@ from test_gguf import write_tiny_gguf
 
 from dflash2_mlx.training.build_smollm2_drafter import COMMITTED_PROMPTS, Build, StagePaused
 from dflash2_mlx.training.smollm2_generation import left_pad
-from dflash2_mlx.training.smollm2_plan import STAGES, TINY, StageRecord
+from dflash2_mlx.training.smollm2_plan import FULL, STAGES, TINY, StageRecord
 from dflash2_mlx.training.smollm2_prompts import KINDS, fold, question_in, read_prompt_set
 from dflash2_mlx.training.smollm2_stages import load_sequences
 
@@ -119,3 +119,13 @@ def test_the_committed_prompt_set_has_held_out_prompts_of_every_kind():
     held = [r for r in rows if r["split"] == "heldout"]
     assert len(held) >= 24 and {r["kind"] for r in held} == set(KINDS)
     assert len({fold(r["messages"][0]["content"]) for r in rows}) == len(rows)
+
+
+def test_a_fresh_full_build_reuses_the_committed_prompt_set_without_running_the_target(tmp_path, monkeypatch):
+    def no_target(self):
+        raise AssertionError("the prompts stage loaded the target")
+
+    monkeypatch.setattr(Build, "target", property(no_target))
+    record = Build(FULL, tmp_path / "work", tmp_path / "out").prompts()
+    assert record.outputs["counts"] == {"reused_committed": True}
+    assert (tmp_path / "work" / "prompts.jsonl").read_bytes() == COMMITTED_PROMPTS.read_bytes()

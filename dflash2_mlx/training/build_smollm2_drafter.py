@@ -92,16 +92,17 @@ class Build:
         p = self.plan
         import pydoc_data.topics
 
+        # The key holds the plan and the recipe, not this machine's stdlib: the committed set is
+        # reused on any Python (that is why it is committed); the stdlib's digests are recorded.
         key = stage_key(
             plan=p.fields("target", "seed", "train_per_kind", "heldout_per_kind", "corpus_limit", "question_tokens",
                           "batch_size"),
-            corpus=corpus_mod.manifest(corpus_mod.load_corpus(limit=p.corpus_limit))["list_sha256"],
-            topics=sha256_file(pydoc_data.topics.__file__),
             recipe=RECIPE_VERSION,
         )
         out = self.work / "prompts.jsonl"
 
         def body() -> dict:
+            out.parent.mkdir(parents=True, exist_ok=True)
             committed_key = COMMITTED_PROMPTS.with_suffix(".key")
             if COMMITTED_PROMPTS.exists() and committed_key.exists() and committed_key.read_text().strip() == key:
                 shutil.copyfile(COMMITTED_PROMPTS, out)
@@ -109,7 +110,10 @@ class Build:
                 counts = {"reused_committed": True}
             else:
                 counts = build_prompt_set(p, self.target, out, self.log)
-            return {"file": str(out), "sha256": sha256_file(out), "counts": counts}
+            return {"file": str(out), "sha256": sha256_file(out), "counts": counts,
+                    "corpus_list_sha256": corpus_mod.manifest(corpus_mod.load_corpus(limit=p.corpus_limit))[
+                        "list_sha256"],
+                    "topics_sha256": sha256_file(pydoc_data.topics.__file__), "python": sys.version.split()[0]}
 
         record = self.run_stage("prompts", key, body)
         if self.save_prompts:
