@@ -107,7 +107,9 @@ def verify_pass_ms(runner, drafter, prompts, n: int, repeats: int) -> dict:
         # what a cycle reads: logits, features, and each cache's new conv windows and states
         outputs = [[r.logits, r.features] for r in results] + [
             [layer.keys, layer.values] if kind == "attention" else list(layer.cache)
-            for c, _ in snaps for kind, layer in zip(c.kinds, c.layers)]
+            for c, _ in snaps
+            for kind, layer in zip(c.kinds, c.layers)
+        ]
         ops = op_count(*[a for _, a in tree_flatten(outputs)]) if count else None
         mx.eval(outputs)
         return ops if count else 1000 * (time.perf_counter() - t0)
@@ -120,8 +122,12 @@ def verify_pass_ms(runner, drafter, prompts, n: int, repeats: int) -> dict:
     # the fastest of each: contention on a shared machine only ever adds time; and the op counts,
     # which on this CPU backend set a small model's pass time (every op costs ~5-15 us) and do
     # not depend on the machine's load
-    return {"batched_ms": min(times[True]), "separate_ms": min(times[False]),
-            "batched_ops": run(True, count=True), "separate_ops": run(False, count=True)}
+    return {
+        "batched_ms": min(times[True]),
+        "separate_ms": min(times[False]),
+        "batched_ops": run(True, count=True),
+        "separate_ops": run(False, count=True),
+    }
 
 
 def main(argv=None) -> int:
@@ -155,28 +161,39 @@ def main(argv=None) -> int:
             # a round's time is heavy-tailed on a shared machine (descheduled spells): the median
             # round against the mean tokens per round (which the mode does not change)
             median_s = statistics.median(seconds)
-            row[label] = {"rounds": len(seconds), "ms_per_round_median": 1000 * median_s,
-                          "tokens_per_round": statistics.mean(tokens),
-                          "total_tps": statistics.mean(tokens) / median_s,
-                          "per_request_tps": statistics.mean(tokens) / median_s / n,
-                          "total_tps_all_time": sum(tokens) / sum(seconds),
-                          # CPU time of all this process's threads: what the round cost in work,
-                          # whatever else the shared machine ran meanwhile
-                          "cpu_ms_per_round_median": 1000 * statistics.median(cpu),
-                          "total_tps_by_cpu": statistics.mean(tokens) / statistics.median(cpu)}
+            row[label] = {
+                "rounds": len(seconds),
+                "ms_per_round_median": 1000 * median_s,
+                "tokens_per_round": statistics.mean(tokens),
+                "total_tps": statistics.mean(tokens) / median_s,
+                "per_request_tps": statistics.mean(tokens) / median_s / n,
+                "total_tps_all_time": sum(tokens) / sum(seconds),
+                # CPU time of all this process's threads: what the round cost in work,
+                # whatever else the shared machine ran meanwhile
+                "cpu_ms_per_round_median": 1000 * statistics.median(cpu),
+                "total_tps_by_cpu": statistics.mean(tokens) / statistics.median(cpu),
+            }
         row["on_over_off"] = row["on"]["total_tps"] / row["off"]["total_tps"]
         row["on_over_off_by_cpu"] = row["on"]["total_tps_by_cpu"] / row["off"]["total_tps_by_cpu"]
         row["verify_pass"] = verify_pass_ms(runner, drafter, prompts, n, 15)
         rows.append(row)
-        print(f"N={n}: on {row['on']['total_tps']:.1f} tok/s ({row['on']['per_request_tps']:.1f} per request), "
-              f"off {row['off']['total_tps']:.1f} tok/s ({row['off']['per_request_tps']:.1f} per request), "
-              f"on/off {row['on_over_off']:.2f}x (by CPU time {row['on_over_off_by_cpu']:.2f}x); "
-              f"verify pass {row['verify_pass']['batched_ms']:.1f} ms batched vs "
-              f"{row['verify_pass']['separate_ms']:.1f} ms separate ({row['verify_pass']['batched_ops']} vs "
-              f"{row['verify_pass']['separate_ops']} ops); identical {row['identical_to_solo']}",
-              file=sys.stderr)
-    report = {"settings": {"max_tokens": args.max_tokens, "block_size": args.block_size or drafter.config.block_size,
-                           "repeats": args.repeats}, "rows": rows}
+        print(
+            f"N={n}: on {row['on']['total_tps']:.1f} tok/s ({row['on']['per_request_tps']:.1f} per request), "
+            f"off {row['off']['total_tps']:.1f} tok/s ({row['off']['per_request_tps']:.1f} per request), "
+            f"on/off {row['on_over_off']:.2f}x (by CPU time {row['on_over_off_by_cpu']:.2f}x); "
+            f"verify pass {row['verify_pass']['batched_ms']:.1f} ms batched vs "
+            f"{row['verify_pass']['separate_ms']:.1f} ms separate ({row['verify_pass']['batched_ops']} vs "
+            f"{row['verify_pass']['separate_ops']} ops); identical {row['identical_to_solo']}",
+            file=sys.stderr,
+        )
+    report = {
+        "settings": {
+            "max_tokens": args.max_tokens,
+            "block_size": args.block_size or drafter.config.block_size,
+            "repeats": args.repeats,
+        },
+        "rows": rows,
+    }
     write_report(report, args.json)
     return 0
 

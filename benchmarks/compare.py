@@ -94,7 +94,9 @@ def timed(stream: Iterable, tokens_of: Callable, cycle_of: Callable = lambda ite
 # Implementations
 
 
-def ours(model: str, draft_model: str, max_tokens: int, block_size: Optional[int], temperature: float) -> list[Implementation]:
+def ours(
+    model: str, draft_model: str, max_tokens: int, block_size: Optional[int], temperature: float
+) -> list[Implementation]:
     from dflash2_mlx.decoding.sampling import SamplingSettings
     from dflash2_mlx.engine import GenerationSettings, generate_autoregressive, generate_speculative
     from dflash2_mlx.models.loading import load_drafter, load_target, validate_pair
@@ -103,19 +105,28 @@ def ours(model: str, draft_model: str, max_tokens: int, block_size: Optional[int
     drafter = load_drafter(draft_model)
     validate_pair(target.runner, drafter.config, target.name)
     tok = target.tokenizer
-    settings = GenerationSettings(max_tokens=max_tokens, block_size=block_size, seed=0,
-                                  sampling=SamplingSettings(temperature=temperature),
-                                  stop_token_ids=sorted(tok.eos_token_ids))
+    settings = GenerationSettings(
+        max_tokens=max_tokens,
+        block_size=block_size,
+        seed=0,
+        sampling=SamplingSettings(temperature=temperature),
+        stop_token_ids=sorted(tok.eos_token_ids),
+    )
 
     def spec(ids):
-        return timed(generate_speculative(target.runner, drafter, ids, settings, tok),
-                     lambda e: e.tokens, lambda e: len(e.tokens) if e.accepted is not None else None)
+        return timed(
+            generate_speculative(target.runner, drafter, ids, settings, tok),
+            lambda e: e.tokens,
+            lambda e: len(e.tokens) if e.accepted is not None else None,
+        )
 
     def plain(ids):
         return timed(generate_autoregressive(target.runner, ids, settings, tok), lambda e: e.tokens)
 
-    return [Implementation("dflash2-mlx", spec, True, ar_of="dflash2-mlx AR"),
-            Implementation("dflash2-mlx AR", plain, False)]
+    return [
+        Implementation("dflash2-mlx", spec, True, ar_of="dflash2-mlx AR"),
+        Implementation("dflash2-mlx AR", plain, False),
+    ]
 
 
 @contextmanager
@@ -130,7 +141,9 @@ def _local_snapshot(module):
         yield
 
 
-def zlab(model: str, draft_model: str, max_tokens: int, block_size: Optional[int], temperature: float) -> Implementation:
+def zlab(
+    model: str, draft_model: str, max_tokens: int, block_size: Optional[int], temperature: float
+) -> Implementation:
     try:
         import dflash.model_mlx as zm
     except Exception as e:  # noqa: BLE001 - any import failure means "cannot run here"
@@ -140,8 +153,9 @@ def zlab(model: str, draft_model: str, max_tokens: int, block_size: Optional[int
         draft = zm.load_draft(draft_model)
 
     def run(ids):
-        stream = zm.stream_generate(target, draft, tokenizer, ids, block_size=block_size, max_tokens=max_tokens,
-                                    temperature=temperature)
+        stream = zm.stream_generate(
+            target, draft, tokenizer, ids, block_size=block_size, max_tokens=max_tokens, temperature=temperature
+        )
         return timed(stream, lambda r: r.tokens, lambda r: r.accepted)
 
     return Implementation("z-lab dflash", run, True, ar_of="mlx-lm AR")
@@ -172,12 +186,19 @@ def mlx_lm_speculative(target, tokenizer, draft_model: str, max_tokens: int) -> 
 
     name = "mlx-lm speculative"
     if not can_trim_prompt_cache(make_prompt_cache(target)):
-        return Implementation(name, None, True, reason="the target's cache cannot be trimmed (Gated DeltaNet layers), "
-                                                      "which mlx-lm's speculative decoding requires")
+        return Implementation(
+            name,
+            None,
+            True,
+            reason="the target's cache cannot be trimmed (Gated DeltaNet layers), "
+            "which mlx-lm's speculative decoding requires",
+        )
     try:
         draft, _ = mlx_lm.load(draft_model)
     except Exception as e:  # noqa: BLE001
-        return Implementation(name, None, True, reason=f"mlx-lm cannot load the drafter as a model ({type(e).__name__})")
+        return Implementation(
+            name, None, True, reason=f"mlx-lm cannot load the drafter as a model ({type(e).__name__})"
+        )
 
     def run(ids):
         stream = mlx_lm.stream_generate(target, tokenizer, ids, max_tokens=max_tokens, draft_model=draft)
@@ -239,8 +260,10 @@ def table(rows: dict) -> str:
             continue
         acc = f"{r['acceptance_length']:.2f}" if r.get("acceptance_length") else "-"
         sp = f"{r['speedup_over_own_ar']:.2f}x" if r.get("speedup_over_own_ar") else "-"
-        lines.append(f"{name:20s} {r['decode_tps']:12.1f} {acc:>7s} {sp:>8s} {1000 * r['ttft_s']:8.1f} "
-                     f"{r['peak_memory_gb']:8.3f}  {r['identical_to_reference']}")
+        lines.append(
+            f"{name:20s} {r['decode_tps']:12.1f} {acc:>7s} {sp:>8s} {1000 * r['ttft_s']:8.1f} "
+            f"{r['peak_memory_gb']:8.3f}  {r['identical_to_reference']}"
+        )
     return "\n".join(lines)
 
 
@@ -253,9 +276,13 @@ def main(argv: Optional[list[str]] = None) -> int:
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--block-size", type=int, default=None)
     ap.add_argument("--temperature", type=float, default=0.0)
-    ap.add_argument("--repeats", type=int, default=1,
-                    help="run every prompt this many times per implementation and keep each one's "
-                         "fastest (a shared machine's slow spells then hit no implementation)")
+    ap.add_argument(
+        "--repeats",
+        type=int,
+        default=1,
+        help="run every prompt this many times per implementation and keep each one's "
+        "fastest (a shared machine's slow spells then hit no implementation)",
+    )
     ap.add_argument("--json", type=Path, default=None, help="write the results here")
     args = ap.parse_args(argv)
 
@@ -267,7 +294,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     draft_model = args.draft_model or str(assets.demo_drafter_path())
     lines = read_prompts(args.prompts) if args.prompts else [{"prompt": p} for p in assets.demo_prompts()]
     if any("prompt" not in line for line in lines):
-        raise SystemExit("compare.py feeds raw prompts to every implementation; give lines with \"prompt\"")
+        raise SystemExit('compare.py feeds raw prompts to every implementation; give lines with "prompt"')
     lines = lines[: args.num_prompts] if args.num_prompts else lines
 
     impls = ours(model, draft_model, args.max_tokens, args.block_size, args.temperature)
@@ -299,9 +326,19 @@ def main(argv: Optional[list[str]] = None) -> int:
     rows = summarize(impls)
     print(table(rows))
     if args.json:
-        args.json.write_text(json.dumps({"settings": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
-                                         "model": model, "draft_model": draft_model, "prompts": len(prompts),
-                                         "implementations": rows}, indent=1) + "\n")
+        args.json.write_text(
+            json.dumps(
+                {
+                    "settings": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
+                    "model": model,
+                    "draft_model": draft_model,
+                    "prompts": len(prompts),
+                    "implementations": rows,
+                },
+                indent=1,
+            )
+            + "\n"
+        )
     return 0
 
 

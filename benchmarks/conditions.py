@@ -42,15 +42,18 @@ def run_mode(target, drafter, ids, mode: str, temperature: float, max_tokens: in
     from dflash2_mlx.decoding.sampling import SamplingSettings
     from dflash2_mlx.engine import GenerationSettings, collect, generate_autoregressive, generate_speculative
 
-    settings = GenerationSettings(max_tokens=max_tokens, sampling=SamplingSettings(temperature=temperature), seed=seed,
-                                  block_size=None if mode in ("plain", "auto") else int(mode))
+    settings = GenerationSettings(
+        max_tokens=max_tokens,
+        sampling=SamplingSettings(temperature=temperature),
+        seed=seed,
+        block_size=None if mode in ("plain", "auto") else int(mode),
+    )
     if mode == "plain":
         return collect(generate_autoregressive(target.runner, ids, settings))[1]
     return collect(generate_speculative(target.runner, drafter, ids, settings))[1]
 
 
-def cell_rows(target, drafter, prompts: list[list[int]], temperature: float, max_tokens: int,
-              repeats: int = 3) -> dict:
+def cell_rows(target, drafter, prompts: list[list[int]], temperature: float, max_tokens: int, repeats: int = 3) -> dict:
     """Every mode on every prompt, ``repeats`` rounds, interleaved -> per mode: tok/s, acceptance,
     speedup (median over rounds of the same round's ratio to plain) and its spread, controller."""
     import statistics
@@ -67,7 +70,7 @@ def cell_rows(target, drafter, prompts: list[list[int]], temperature: float, max
     turn = 0
     for r in range(repeats):
         for i, ids in enumerate(prompts):
-            order = others[turn % len(others):] + others[: turn % len(others)]
+            order = others[turn % len(others) :] + others[: turn % len(others)]
             turn += 1
             for mode in order:  # each mode right next to a plain run of its own, before or after it
                 pair = (mode, "plain") if (r + i) % 2 else ("plain", mode)
@@ -80,8 +83,15 @@ def cell_rows(target, drafter, prompts: list[list[int]], temperature: float, max
         return sum(max(s.generation_tokens - 1, 0) for s in stats) / seconds if seconds else 0.0
 
     all_plain = [[s for m in others for s in paired[m][r]] for r in range(repeats)]
-    out = {"plain": {"decode_tps": statistics.median(tps(rnd) for rnd in all_plain), "acceptance_length": 1.0,
-                     "speedup": 1.0, "speedup_range": [1.0, 1.0], "controller": None}}
+    out = {
+        "plain": {
+            "decode_tps": statistics.median(tps(rnd) for rnd in all_plain),
+            "acceptance_length": 1.0,
+            "speedup": 1.0,
+            "speedup_range": [1.0, 1.0],
+            "controller": None,
+        }
+    }
     for mode, rounds in runs.items():
         ratios = [tps(rnd) / tps(p) if tps(p) else 0.0 for rnd, p in zip(rounds, paired[mode])]
         flat = [s for rnd in rounds for s in rnd]
@@ -118,8 +128,13 @@ def main(argv=None) -> int:
     embedded = embedded_pair()
     pairs = [] if args.skip_embedded else [("embedded", str(embedded[0]), str(embedded[1]))]
     if args.draft_model:
-        pairs.append((f"{Path(args.model or 'embedded target').name} + {Path(args.draft_model).name}",
-                      args.model or str(embedded[0]), args.draft_model))
+        pairs.append(
+            (
+                f"{Path(args.model or 'embedded target').name} + {Path(args.draft_model).name}",
+                args.model or str(embedded[0]),
+                args.draft_model,
+            )
+        )
     temps = [float(t) for t in args.temps.split(",")]
     report = {"settings": vars(args) | {"json": str(args.json) if args.json else None}, "cells": []}
     for name, target_path, drafter_path in pairs:
@@ -161,10 +176,15 @@ def markdown(report: dict) -> str:
         target_line = f"{auto / best:.2f} of best" if best > 1 else f"{auto:.2f}x plain"
         c = rows["auto"]["controller"] or {}
         share = c.get("share_by_mode", {})
-        chose = (f"{100 * share.get('speculative', 0):.0f}% spec / {100 * share.get('plain', 0):.0f}% plain / "
-                 f"{100 * share.get('probe', 0):.0f}% probe; blocks " + " ".join(f"{b}:{n}" for b, n in c.get("block_sizes", {}).items()))
+        chose = (
+            f"{100 * share.get('speculative', 0):.0f}% spec / {100 * share.get('plain', 0):.0f}% plain / "
+            f"{100 * share.get('probe', 0):.0f}% probe; blocks "
+            + " ".join(f"{b}:{n}" for b, n in c.get("block_sizes", {}).items())
+        )
         cells = [cell["pair"], f"{cell['temperature']:g}", cell["prompt"], f"{rows['plain']['decode_tps']:.0f}"]
-        cells += [f"{rows[m]['speedup']:.2f}x ({rows[m]['acceptance_length']:.2f})" if m in rows else "–" for m in MODES[1:]]
+        cells += [
+            f"{rows[m]['speedup']:.2f}x ({rows[m]['acceptance_length']:.2f})" if m in rows else "–" for m in MODES[1:]
+        ]
         lo, hi = rows["auto"].get("speedup_range", (auto, auto))
         cells[-1] += f" [{lo:.2f}–{hi:.2f}]"
         cells += [target_line, chose]

@@ -68,8 +68,10 @@ def json_requests(tok, count: int) -> list[list[int]]:
     _, held = corpus.split(corpus.load_corpus())
     users = [user for f in held for user, _ in corpus.json_examples(f, 100)]
     step = max(1, len(users) // count)  # spread over the held-out files
-    return [tok.apply_chat_template([{"role": "user", "content": u}], add_generation_prompt=True, tokenize=True)
-            for u in users[::step][:count]]
+    return [
+        tok.apply_chat_template([{"role": "user", "content": u}], add_generation_prompt=True, tokenize=True)
+        for u in users[::step][:count]
+    ]
 
 
 class RefusalCounter:
@@ -116,7 +118,10 @@ def main(argv=None) -> int:
     schema = Grammar.json_schema(SCHEMA if args.code else DESCRIBE, tok, stops)
     counter = RefusalCounter(schema)
     modes = {
-        "free": (None, True), "mask-only": (anything, True), "schema": (counter, True), "schema-ar": (schema, False),
+        "free": (None, True),
+        "mask-only": (anything, True),
+        "schema": (counter, True),
+        "schema-ar": (schema, False),
     }
     results = {m: {"tps": [], "acceptance": [], "tokens": 0, "cycles": 0, "cycle_tokens": 0} for m in modes}
     ends_at_refusal = 0
@@ -125,8 +130,11 @@ def main(argv=None) -> int:
             for mode, (grammar, spec) in modes.items():
                 settings = GenerationSettings(max_tokens=args.max_tokens, stop_token_ids=stops, grammar=grammar)
                 counter.refused_at.clear()
-                events = list(generate_speculative(runner, drafter, ids, settings) if spec
-                              else generate_autoregressive(runner, ids, settings))
+                events = list(
+                    generate_speculative(runner, drafter, ids, settings)
+                    if spec
+                    else generate_autoregressive(runner, ids, settings)
+                )
                 tokens, stats = collect(iter(events))
                 if i == 0 and rep == 0:
                     continue  # warm-up
@@ -139,9 +147,16 @@ def main(argv=None) -> int:
                     r["cycle_tokens"] += stats.cycle_tokens
                 if mode == "schema":
                     accepted = [e.accepted for e in events if e.accepted is not None]
-                    ends_at_refusal += sum(1 for a, ref in zip(accepted, counter.refused_at) if ref is not None and ref == a)
-    report = {"prompts": len(prompts), "prompt_kind": "code" if args.code else "json requests",
-              "max_tokens": args.max_tokens, "repeats": args.repeats, "modes": {}}
+                    ends_at_refusal += sum(
+                        1 for a, ref in zip(accepted, counter.refused_at) if ref is not None and ref == a
+                    )
+    report = {
+        "prompts": len(prompts),
+        "prompt_kind": "code" if args.code else "json requests",
+        "max_tokens": args.max_tokens,
+        "repeats": args.repeats,
+        "modes": {},
+    }
     for mode, r in results.items():
         report["modes"][mode] = {
             "decode_tps_mean": statistics.mean(r["tps"]),
@@ -151,7 +166,9 @@ def main(argv=None) -> int:
     free = report["modes"]["free"]["decode_tps_mean"]
     for mode in modes:
         report["modes"][mode]["vs_free"] = report["modes"][mode]["decode_tps_mean"] / free
-    report["schema_vs_schema_ar"] = report["modes"]["schema"]["decode_tps_mean"] / report["modes"]["schema-ar"]["decode_tps_mean"]
+    report["schema_vs_schema_ar"] = (
+        report["modes"]["schema"]["decode_tps_mean"] / report["modes"]["schema-ar"]["decode_tps_mean"]
+    )
     report["schema_cycles_ending_at_a_refused_draft"] = ends_at_refusal
     report["schema_cycles"] = results["schema"]["cycles"]
     write_report(report, args.json)

@@ -56,12 +56,26 @@ TARGET_LAYERS, TARGET_ATTENTION_LAYERS, DRAFTER_LAYERS = 64, 16, 5
 def target_config(dtype: str) -> dict:
     """Qwen3.8-27B's text config at reduced depth: layers (GDN, attention) x 2."""
     text = {
-        "model_type": "qwen3_5_text", "hidden_size": 5120, "intermediate_size": 17408, "num_hidden_layers": 4,
-        "num_attention_heads": 24, "num_key_value_heads": 4, "head_dim": 256, "attn_output_gate": True,
-        "linear_num_key_heads": 16, "linear_num_value_heads": 48, "linear_key_head_dim": 128,
-        "linear_value_head_dim": 128, "linear_conv_kernel_dim": 4, "full_attention_interval": 2,
-        "layer_types": ["linear_attention", "full_attention"] * 2, "vocab_size": 248320, "rms_norm_eps": 1e-6,
-        "max_position_embeddings": 262144, "tie_word_embeddings": False, "attention_bias": False,
+        "model_type": "qwen3_5_text",
+        "hidden_size": 5120,
+        "intermediate_size": 17408,
+        "num_hidden_layers": 4,
+        "num_attention_heads": 24,
+        "num_key_value_heads": 4,
+        "head_dim": 256,
+        "attn_output_gate": True,
+        "linear_num_key_heads": 16,
+        "linear_num_value_heads": 48,
+        "linear_key_head_dim": 128,
+        "linear_value_head_dim": 128,
+        "linear_conv_kernel_dim": 4,
+        "full_attention_interval": 2,
+        "layer_types": ["linear_attention", "full_attention"] * 2,
+        "vocab_size": 248320,
+        "rms_norm_eps": 1e-6,
+        "max_position_embeddings": 262144,
+        "tie_word_embeddings": False,
+        "attention_bias": False,
         "rope_parameters": {"rope_type": "default", "rope_theta": 10000000.0, "partial_rotary_factor": 0.25},
     }
     return {"model_type": "qwen3_5", "text_config": text, "tie_word_embeddings": False}
@@ -70,15 +84,36 @@ def target_config(dtype: str) -> dict:
 def drafter_config():
     from dflash2_mlx.models.drafter_config import DrafterConfig
 
-    return DrafterConfig.from_dict({
-        "architectures": ["DFlash2DraftModel"], "model_type": "qwen3", "is_causal": False, "hidden_size": 5120,
-        "intermediate_size": 17408, "num_hidden_layers": 1, "num_attention_heads": 32, "num_key_value_heads": 8,
-        "head_dim": 128, "vocab_size": 248320, "rms_norm_eps": 1e-6, "max_position_embeddings": 262144,
-        "sliding_window": 2048, "use_sliding_window": True, "layer_types": ["sliding_attention"],
-        "num_target_layers": 4, "rope_parameters": {"rope_theta": 10000000.0, "rope_type": "default"},
-        "dflash_config": {"block_size": 8, "mask_token_id": 248070, "conv_group_size": 16, "conv_kernel_size": 2,
-                          "selector_rank": 256, "selector_top_k": 16, "target_layer_ids": [0, 1, 2, 3]},
-    })
+    return DrafterConfig.from_dict(
+        {
+            "architectures": ["DFlash2DraftModel"],
+            "model_type": "qwen3",
+            "is_causal": False,
+            "hidden_size": 5120,
+            "intermediate_size": 17408,
+            "num_hidden_layers": 1,
+            "num_attention_heads": 32,
+            "num_key_value_heads": 8,
+            "head_dim": 128,
+            "vocab_size": 248320,
+            "rms_norm_eps": 1e-6,
+            "max_position_embeddings": 262144,
+            "sliding_window": 2048,
+            "use_sliding_window": True,
+            "layer_types": ["sliding_attention"],
+            "num_target_layers": 4,
+            "rope_parameters": {"rope_theta": 10000000.0, "rope_type": "default"},
+            "dflash_config": {
+                "block_size": 8,
+                "mask_token_id": 248070,
+                "conv_group_size": 16,
+                "conv_kernel_size": 2,
+                "selector_rank": 256,
+                "selector_top_k": 16,
+                "target_layer_ids": [0, 1, 2, 3],
+            },
+        }
+    )
 
 
 def median_ms(fn: Callable[[], None], repeats: int) -> float:
@@ -131,7 +166,8 @@ class Setting:
         self.features = features
         self.snap = self.cache.snapshot()
         self.block = mx.concatenate(
-            [self.tokens[:, :1], mx.full((1, 7), drafter.config.mask_token_id, dtype=mx.int32)], axis=1)
+            [self.tokens[:, :1], mx.full((1, 7), drafter.config.mask_token_id, dtype=mx.int32)], axis=1
+        )
 
     def verify(self, rows: int) -> tuple[list, mx.array, mx.array]:
         """One target pass over ``rows`` new tokens after the context (recording for rollback)."""
@@ -169,8 +205,11 @@ def cycle_and_step(runner, drafter, contexts: list[int], repeats: int) -> list[d
     times = [{"draft_ms": [], "verify_8_ms": [], "ar_step_ms": [], "rollback_ms": []} for _ in settings]
     for _ in range(repeats):
         for s, t in zip(settings, times):
-            for key, fn in (("draft_ms", s.draft), ("verify_8_ms", lambda: s.verify(8)),
-                            ("ar_step_ms", lambda: s.verify(1))):
+            for key, fn in (
+                ("draft_ms", s.draft),
+                ("verify_8_ms", lambda: s.verify(8)),
+                ("ar_step_ms", lambda: s.verify(1)),
+            ):
                 t0 = time.perf_counter()
                 fn()
                 t[key].append(1000 * (time.perf_counter() - t0))
@@ -242,7 +281,7 @@ def measure_grammar_mask(dtype: mx.Dtype, repeats: int) -> dict:
     for _ in range(repeats):
         state = grammar.start()
         for start in range(0, len(answer) - 8, 7):
-            drafts = answer[start:start + 7]
+            drafts = answer[start : start + 7]
             t0 = time.perf_counter()
             masked = state.mask_verify(logits, drafts)  # host: bitmasks, unpacked, to an array
             state.commit(drafts)
@@ -250,11 +289,15 @@ def measure_grammar_mask(dtype: mx.Dtype, repeats: int) -> dict:
             mx.eval(masked)  # device: one where over [8, V]
             host.append(1000 * (t1 - t0))
             apply.append(1000 * (time.perf_counter() - t1))
-    return {"grammar_host_ms_per_cycle": statistics.median(host),
-            "grammar_host_ms_p90": sorted(host)[int(0.9 * len(host))],
-            "grammar_apply_ms_per_cycle_this_cpu": statistics.median(apply),
-            "grammar_cycles_measured": len(host), "grammar_tokenizer_and_compile_s": build_s,
-            "vocab": len(tok), "logits_width": MODEL_VOCAB}
+    return {
+        "grammar_host_ms_per_cycle": statistics.median(host),
+        "grammar_host_ms_p90": sorted(host)[int(0.9 * len(host))],
+        "grammar_apply_ms_per_cycle_this_cpu": statistics.median(apply),
+        "grammar_cycles_measured": len(host),
+        "grammar_tokenizer_and_compile_s": build_s,
+        "vocab": len(tok),
+        "logits_width": MODEL_VOCAB,
+    }
 
 
 def grammar_share(mask: dict, model: dict) -> dict:
@@ -265,10 +308,14 @@ def grammar_share(mask: dict, model: dict) -> dict:
     mac = model["predictions"]["bandwidth-bound verify (1.05x one row)"]["cycle_ms"]
     # On the Mac the where is one bandwidth-bound pass: read logits + mask, write logits.
     mac_apply = (8 * mask["logits_width"] * (2 + 1 + 2)) / M5_MAX_BANDWIDTH * 1000  # bf16 logits, bool mask
-    return {**mask, "cpu_full_depth_cycle_ms": model["cpu_full_depth_cycle_ms"],
-            "grammar_mask_share_cpu": (host + apply) / model["cpu_full_depth_cycle_ms"],
-            "m5_max_predicted_cycle_ms": mac, "m5_max_apply_ms_estimate": mac_apply,
-            "grammar_mask_share_m5_max_if_serial": (host + mac_apply) / mac}
+    return {
+        **mask,
+        "cpu_full_depth_cycle_ms": model["cpu_full_depth_cycle_ms"],
+        "grammar_mask_share_cpu": (host + apply) / model["cpu_full_depth_cycle_ms"],
+        "m5_max_predicted_cycle_ms": mac,
+        "m5_max_apply_ms_estimate": mac_apply,
+        "grammar_mask_share_m5_max_if_serial": (host + mac_apply) / mac,
+    }
 
 
 def predict(m: dict) -> dict:
@@ -289,15 +336,27 @@ def predict(m: dict) -> dict:
     cpu_cycle = verify_full + draft_full + rollback_full
     selector_conv_share = (m["selector_ms"] + DRAFTER_LAYERS * m["conv_ms_per_layer"]) / cpu_cycle
     out = {}
-    for label, verify_factor in (("bandwidth-bound verify (1.05x one row)", 1.05),
-                                 ("this CPU's measured 8-row factor", m["verify_relative"][8])):
+    for label, verify_factor in (
+        ("bandwidth-bound verify (1.05x one row)", 1.05),
+        ("this CPU's measured 8-row factor", m["verify_relative"][8]),
+    ):
         cycle = ar_ms * verify_factor + draft_ms + 0.3  # + one host sync
-        out[label] = {"cycle_ms": cycle, "speedup": PUBLISHED_ACCEPTANCE * ar_ms / cycle,
-                      "tok_s": PUBLISHED_ACCEPTANCE * 1000 / cycle}
-    return {"cpu_full_depth_cycle_ms": cpu_cycle, "cpu_full_depth_verify_8_ms": verify_full,
-            "cpu_full_depth_draft_ms": draft_full, "selector_conv_share_cpu": selector_conv_share,
-            "rollback_share_cpu": rollback_full / cpu_cycle, "m5_max_ar_ms": ar_ms, "m5_max_draft_ms": draft_ms,
-            "published_acceptance_length": PUBLISHED_ACCEPTANCE, "predictions": out}
+        out[label] = {
+            "cycle_ms": cycle,
+            "speedup": PUBLISHED_ACCEPTANCE * ar_ms / cycle,
+            "tok_s": PUBLISHED_ACCEPTANCE * 1000 / cycle,
+        }
+    return {
+        "cpu_full_depth_cycle_ms": cpu_cycle,
+        "cpu_full_depth_verify_8_ms": verify_full,
+        "cpu_full_depth_draft_ms": draft_full,
+        "selector_conv_share_cpu": selector_conv_share,
+        "rollback_share_cpu": rollback_full / cpu_cycle,
+        "m5_max_ar_ms": ar_ms,
+        "m5_max_draft_ms": draft_ms,
+        "published_acceptance_length": PUBLISHED_ACCEPTANCE,
+        "predictions": out,
+    }
 
 
 MAC_VERIFY_16_ROWS = 1.2  # a 16-row verify of the 4-bit 27B target, in plain steps (1.1-1.3 reported)
@@ -328,7 +387,11 @@ def controller_choices(verify_relative: dict | None = None) -> list[dict]:
         sizes = sorted(verify_relative)
         lo = max(s for s in sizes if s <= b)
         hi = min(s for s in sizes if s >= b)
-        return verify_relative[lo] if lo == hi else verify_relative[lo] + (verify_relative[hi] - verify_relative[lo]) * (b - lo) / (hi - lo)
+        return (
+            verify_relative[lo]
+            if lo == hi
+            else verify_relative[lo] + (verify_relative[hi] - verify_relative[lo]) * (b - lo) / (hi - lo)
+        )
 
     cycle_ms = {b: ar_ms * factor(b) + draft_ms + 0.3 for b in range(2, REAL_BLOCK + 1)}  # + one host sync
     rows = []
@@ -347,10 +410,15 @@ def controller_choices(verify_relative: dict | None = None) -> list[dict]:
         history.tested, history.accepted = [100.0] * (REAL_BLOCK - 1), [100.0 * rate] * (REAL_BLOCK - 1)
         choice = BreakEvenController(profile, REAL_BLOCK, greedy=True, temperature=0.0).choose(256)
         speedups = {b: expected_tokens([rate] * (REAL_BLOCK - 1), b) * ar_ms / ms for b, ms in cycle_ms.items()}
-        rows.append({"acceptance_length_at_block_8": acceptance, "conditional_rate": rate,
-                     "controller_choice": "plain" if choice == PLAIN else choice,
-                     "predicted_speedup_by_block": speedups,
-                     "predicted_speedup_of_choice": 1.0 if choice == PLAIN else speedups[choice]})
+        rows.append(
+            {
+                "acceptance_length_at_block_8": acceptance,
+                "conditional_rate": rate,
+                "controller_choice": "plain" if choice == PLAIN else choice,
+                "predicted_speedup_by_block": speedups,
+                "predicted_speedup_of_choice": 1.0 if choice == PLAIN else speedups[choice],
+            }
+        )
     return rows
 
 
@@ -373,8 +441,11 @@ def batched_verify_cost(args) -> dict:
 
     cfg = target_config(args.dtype)
     text = cfg["text_config"]
-    text.update(num_hidden_layers=2, layer_types=["linear_attention", "full_attention"],
-                vocab_size=text["vocab_size"] // BATCH_HEAD_SHARE)
+    text.update(
+        num_hidden_layers=2,
+        layer_types=["linear_attention", "full_attention"],
+        vocab_size=text["vocab_size"] // BATCH_HEAD_SHARE,
+    )
     model_class, args_class = _get_classes(cfg)
     model = model_class(args_class.from_dict(cfg))
     model.set_dtype(getattr(mx, args.dtype))
@@ -387,7 +458,9 @@ def batched_verify_cost(args) -> dict:
     for i in range(widest):
         cache = runner.make_cache()
         for start in range(0, args.context, PREFILL_CHUNK):
-            runner(prompts[i : i + 1, start : min(start + PREFILL_CHUNK, args.context)], cache, logits_from=PREFILL_CHUNK)
+            runner(
+                prompts[i : i + 1, start : min(start + PREFILL_CHUNK, args.context)], cache, logits_from=PREFILL_CHUNK
+            )
             mx.eval([c.state for c in cache.layers])
         caches.append(cache)
         snaps.append(cache.snapshot())
@@ -406,10 +479,15 @@ def batched_verify_cost(args) -> dict:
         times = {"batched_ms": [], "separate_ms": [], "head_batched_ms": [], "head_separate_ms": []}
         verify(n, True), verify(n, False)  # warm-up
         for _ in range(args.repeats):  # in turn, so that a slow spell hits both
-            for key, fn in (("batched_ms", lambda: verify(n, True)), ("separate_ms", lambda: verify(n, False)),
-                            ("head_batched_ms", lambda: mx.eval(runner.lm_head(head_in[: n * block]))),
-                            ("head_separate_ms", lambda: mx.eval([runner.lm_head(head_in[i * block : (i + 1) * block])
-                                                                  for i in range(n)]))):
+            for key, fn in (
+                ("batched_ms", lambda: verify(n, True)),
+                ("separate_ms", lambda: verify(n, False)),
+                ("head_batched_ms", lambda: mx.eval(runner.lm_head(head_in[: n * block]))),
+                (
+                    "head_separate_ms",
+                    lambda: mx.eval([runner.lm_head(head_in[i * block : (i + 1) * block]) for i in range(n)]),
+                ),
+            ):
                 t0 = time.perf_counter()
                 fn()
                 times[key].append(1000 * (time.perf_counter() - t0))
@@ -423,8 +501,11 @@ def batched_verify_cost(args) -> dict:
             m[f"full_depth_{kind}_ms"] = m[f"head_{kind}_ms"] * BATCH_HEAD_SHARE + layers * TARGET_LAYERS / 2
         m["full_depth_batched_over_separate"] = m["full_depth_batched_ms"] / m["full_depth_separate_ms"]
         rows[n] = m
-    return {"settings": {"dtype": args.dtype, "context": args.context, "block": block, "batch": args.batch},
-            "measured_cpu": rows, "mac_prediction": predict_batched(block, args.batch)}
+    return {
+        "settings": {"dtype": args.dtype, "context": args.context, "block": block, "batch": args.batch},
+        "measured_cpu": rows,
+        "mac_prediction": predict_batched(block, args.batch),
+    }
 
 
 def predict_batched(block: int, batch: list[int]) -> dict:
@@ -439,16 +520,22 @@ def predict_batched(block: int, batch: list[int]) -> dict:
     draft_ms = (1.92e9 * 1.0 + 248320 * 5120 * 0.5625) / M5_MAX_BANDWIDTH * 1000 / efficiency
     out = {}
     for f16 in MAC_16_ROW_FACTOR:
-        for label, factor in (("linear", lambda r: 1 + (r - 1) * (f16 - 1) / 15),
-                              ("compute-bound", lambda r: max(1.0, f16 * r / 16))):
+        for label, factor in (
+            ("linear", lambda r: 1 + (r - 1) * (f16 - 1) / 15),
+            ("compute-bound", lambda r: max(1.0, f16 * r / 16)),
+        ):
             for n in batch:
                 separate = n * (draft_ms + ar_ms * factor(block) + MAC_HOST_SYNC_MS)
                 batched = n * (draft_ms + MAC_HOST_SYNC_MS) + ar_ms * factor(n * block)
                 tokens = n * PUBLISHED_ACCEPTANCE
                 out[f"16 rows = {f16} passes, {label}, N = {n}"] = {
-                    "verify_rows": n * block, "round_ms_batched": batched, "round_ms_separate": separate,
-                    "total_tok_s_batched": tokens * 1000 / batched, "total_tok_s_separate": tokens * 1000 / separate,
-                    "batched_over_separate": separate / batched}
+                    "verify_rows": n * block,
+                    "round_ms_batched": batched,
+                    "round_ms_separate": separate,
+                    "total_tok_s_batched": tokens * 1000 / batched,
+                    "total_tok_s_separate": tokens * 1000 / separate,
+                    "batched_over_separate": separate / batched,
+                }
     return out
 
 
@@ -459,10 +546,16 @@ def main(argv=None) -> int:
     ap.add_argument("--context", type=int, default=256)
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--json", type=Path, default=None)
-    ap.add_argument("--choice-only", action="store_true",
-                    help="only the PREDICTED controller choice at Mac widths (bandwidth model; no CPU measurement)")
-    ap.add_argument("--batched-verify", action="store_true",
-                    help="measure N x B-row batched verifies against N separate ones (see batched_verify_cost)")
+    ap.add_argument(
+        "--choice-only",
+        action="store_true",
+        help="only the PREDICTED controller choice at Mac widths (bandwidth model; no CPU measurement)",
+    )
+    ap.add_argument(
+        "--batched-verify",
+        action="store_true",
+        help="measure N x B-row batched verifies against N separate ones (see batched_verify_cost)",
+    )
     ap.add_argument("--batch", type=int, nargs="+", default=[1, 2, 4])
     ap.add_argument("--block", type=int, default=8)
     ap.add_argument("--grammar", action="store_true", help="also measure constrained decoding's mask per cycle")
@@ -470,24 +563,36 @@ def main(argv=None) -> int:
     ap.add_argument("--cycle-from", type=Path, default=None, help="a report of this script (its full-depth cycle)")
     args = ap.parse_args(argv)
     if args.choice_only:
-        report = {"prediction": "block size the break-even controller would choose, from the cost model "
-                                "(not measured on a Mac)", "m5_max_ar_ms": 1000 / M5_MAX_AR_TPS,
-                  "m5_max_draft_ms": mac_draft_ms(), "choices": controller_choices()}
+        report = {
+            "prediction": "block size the break-even controller would choose, from the cost model "
+            "(not measured on a Mac)",
+            "m5_max_ar_ms": 1000 / M5_MAX_AR_TPS,
+            "m5_max_draft_ms": mac_draft_ms(),
+            "choices": controller_choices(),
+        }
     elif args.batched_verify:
         report = batched_verify_cost(args)
     elif args.grammar_only:
         if args.cycle_from is None:
             ap.error("--grammar-only needs --cycle-from REPORT.json")
         before = json.loads(args.cycle_from.read_text())
-        report = {"settings": {**before["settings"], "cycle_from": str(args.cycle_from)},
-                  "grammar": grammar_share(measure_grammar_mask(getattr(mx, args.dtype), args.repeats), before["model"])}
+        report = {
+            "settings": {**before["settings"], "cycle_from": str(args.cycle_from)},
+            "grammar": grammar_share(measure_grammar_mask(getattr(mx, args.dtype), args.repeats), before["model"]),
+        }
     else:
         runner, drafter = build(getattr(mx, args.dtype), args.bits)
         m = measure(runner, drafter, args.context, args.repeats)
         p = predict(m)
-        p["predicted_controller_choices"] = {"bandwidth-bound verify": controller_choices(),
-                                             "this CPU's measured verify factors": controller_choices(m["verify_relative"])}
-        report = {"settings": {"dtype": args.dtype, "bits": args.bits, "context": args.context}, "measured": m, "model": p}
+        p["predicted_controller_choices"] = {
+            "bandwidth-bound verify": controller_choices(),
+            "this CPU's measured verify factors": controller_choices(m["verify_relative"]),
+        }
+        report = {
+            "settings": {"dtype": args.dtype, "bits": args.bits, "context": args.context},
+            "measured": m,
+            "model": p,
+        }
         if args.grammar:
             report["grammar"] = grammar_share(measure_grammar_mask(getattr(mx, args.dtype), args.repeats), p)
     write_report(report, args.json)

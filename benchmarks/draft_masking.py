@@ -72,9 +72,15 @@ def main(argv=None) -> int:
             runs = {}
             for rep in range(2 if i == 0 and seed == 0 else 1):
                 for mode, mask_drafts in MODES.items():
-                    settings = GenerationSettings(max_tokens=args.max_tokens, stop_token_ids=stops, grammar=grammar,
-                                                  sampling=sampling, seed=seed, block_size=args.block_size,
-                                                  mask_drafts=mask_drafts)
+                    settings = GenerationSettings(
+                        max_tokens=args.max_tokens,
+                        stop_token_ids=stops,
+                        grammar=grammar,
+                        sampling=sampling,
+                        seed=seed,
+                        block_size=args.block_size,
+                        mask_drafts=mask_drafts,
+                    )
                     tokens, stats = collect(generate_speculative(runner, drafter, ids, settings))
                     runs[mode] = tokens
                     if i == 0 and seed == 0 and rep == 0:
@@ -89,13 +95,22 @@ def main(argv=None) -> int:
                         jsonschema.validate(json.loads(text), SCHEMA)
                         r["valid"] += 1
             identical &= runs["auto"] == runs["masked-drafts"] == runs["verify-masks-only"]
-    report = {"prompts": args.prompts, "max_tokens": args.max_tokens, "block_size": args.block_size,
-              "temperature": args.temperature, "top_p": args.top_p, "seeds": 1 if greedy else args.seeds}
+    report = {
+        "prompts": args.prompts,
+        "max_tokens": args.max_tokens,
+        "block_size": args.block_size,
+        "temperature": args.temperature,
+        "top_p": args.top_p,
+        "seeds": 1 if greedy else args.seeds,
+    }
     if greedy:
         report["identical"] = identical
     for mode, r in out.items():
-        report[mode] = {"decode_tps_mean": statistics.mean(r["tps"]), "acceptance_length": r["cycle_tokens"] / r["cycles"],
-                        "complete_valid_answers": f"{r['valid']}/{r['runs']}"}
+        report[mode] = {
+            "decode_tps_mean": statistics.mean(r["tps"]),
+            "acceptance_length": r["cycle_tokens"] / r["cycles"],
+            "complete_valid_answers": f"{r['valid']}/{r['runs']}",
+        }
     never = report["verify-masks-only"]["decode_tps_mean"]
     report["speedup"] = report["masked-drafts"]["decode_tps_mean"] / never
     report["auto_speedup"] = report["auto"]["decode_tps_mean"] / never

@@ -28,13 +28,38 @@ import tempfile
 import time
 from pathlib import Path
 
-QWEN35_PAT = (r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?[\p{L}\p{M}]+|\p{N}| ?[^\s\p{L}\p{M}\p{N}]+[\r\n]*"""
-              r"""|\s*[\r\n]+|\s+(?!\S)|\s+""")
-SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|object_ref_start|>", "<|object_ref_end|>",
-            "<|box_start|>", "<|box_end|>", "<|quad_start|>", "<|quad_end|>", "<|vision_start|>",
-            "<|vision_end|>", "<|vision_pad|>", "<|image_pad|>", "<|video_pad|>", "<tool_call>", "</tool_call>",
-            "<|fim_prefix|>", "<|fim_middle|>", "<|fim_suffix|>", "<|fim_pad|>", "<|repo_name|>", "<|file_sep|>",
-            "<tool_response>", "</tool_response>", "<think>", "</think>"]
+QWEN35_PAT = (
+    r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?[\p{L}\p{M}]+|\p{N}| ?[^\s\p{L}\p{M}\p{N}]+[\r\n]*"""
+    r"""|\s*[\r\n]+|\s+(?!\S)|\s+"""
+)
+SPECIALS = [
+    "<|endoftext|>",
+    "<|im_start|>",
+    "<|im_end|>",
+    "<|object_ref_start|>",
+    "<|object_ref_end|>",
+    "<|box_start|>",
+    "<|box_end|>",
+    "<|quad_start|>",
+    "<|quad_end|>",
+    "<|vision_start|>",
+    "<|vision_end|>",
+    "<|vision_pad|>",
+    "<|image_pad|>",
+    "<|video_pad|>",
+    "<tool_call>",
+    "</tool_call>",
+    "<|fim_prefix|>",
+    "<|fim_middle|>",
+    "<|fim_suffix|>",
+    "<|fim_pad|>",
+    "<|repo_name|>",
+    "<|file_sep|>",
+    "<tool_response>",
+    "</tool_response>",
+    "<think>",
+    "</think>",
+]
 MODEL_VOCAB = 248320  # the checkpoint's padded vocabulary (logits width)
 
 
@@ -54,7 +79,7 @@ def _merge_of(token: bytes, ranks: dict[bytes, int]):
     """The last merge BPE makes for ``token`` (run BPE on its bytes with ranks below its own), or
     None when no pair of tokens below its rank builds it (a token only specials or bytes reach)."""
     limit = ranks[token]
-    parts = [token[i:i + 1] for i in range(len(token))]
+    parts = [token[i : i + 1] for i in range(len(token))]
     while len(parts) > 2:
         best, at = None, None
         for i in range(len(parts) - 1):
@@ -63,7 +88,7 @@ def _merge_of(token: bytes, ranks: dict[bytes, int]):
                 best, at = r, i
         if at is None:
             return None
-        parts = parts[:at] + [parts[at] + parts[at + 1]] + parts[at + 2:]
+        parts = parts[:at] + [parts[at] + parts[at + 1]] + parts[at + 2 :]
     return (parts[0], parts[1]) if len(parts) == 2 else None
 
 
@@ -83,23 +108,53 @@ def qwen_tokenizer_json(out: Path) -> Path:
             if pair is not None:
                 merges.append(f"{enc(pair[0])} {enc(pair[1])}")
     start = max(ranks.values()) + 1
-    added = [{"id": start + i, "content": s, "single_word": False, "lstrip": False, "rstrip": False,
-              "normalized": False, "special": True} for i, s in enumerate(SPECIALS)]
+    added = [
+        {
+            "id": start + i,
+            "content": s,
+            "single_word": False,
+            "lstrip": False,
+            "rstrip": False,
+            "normalized": False,
+            "special": True,
+        }
+        for i, s in enumerate(SPECIALS)
+    ]
     tok = {
-        "version": "1.0", "truncation": None, "padding": None, "added_tokens": added, "normalizer": None,
-        "pre_tokenizer": {"type": "Sequence", "pretokenizers": [
-            {"type": "Split", "pattern": {"Regex": QWEN35_PAT}, "behavior": "Isolated", "invert": False},
-            {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": False, "use_regex": False}]},
+        "version": "1.0",
+        "truncation": None,
+        "padding": None,
+        "added_tokens": added,
+        "normalizer": None,
+        "pre_tokenizer": {
+            "type": "Sequence",
+            "pretokenizers": [
+                {"type": "Split", "pattern": {"Regex": QWEN35_PAT}, "behavior": "Isolated", "invert": False},
+                {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": False, "use_regex": False},
+            ],
+        },
         "post_processor": None,
         "decoder": {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": False, "use_regex": False},
-        "model": {"type": "BPE", "dropout": None, "unk_token": None, "continuing_subword_prefix": None,
-                  "end_of_word_suffix": None, "fuse_unk": False, "byte_fallback": False, "ignore_merges": False,
-                  "vocab": vocab, "merges": merges},
+        "model": {
+            "type": "BPE",
+            "dropout": None,
+            "unk_token": None,
+            "continuing_subword_prefix": None,
+            "end_of_word_suffix": None,
+            "fuse_unk": False,
+            "byte_fallback": False,
+            "ignore_merges": False,
+            "vocab": vocab,
+            "merges": merges,
+        },
     }
     out.mkdir(parents=True, exist_ok=True)
     (out / "tokenizer.json").write_text(json.dumps(tok, ensure_ascii=False))
-    (out / "tokenizer_config.json").write_text(json.dumps({
-        "tokenizer_class": "PreTrainedTokenizerFast", "eos_token": "<|im_end|>", "pad_token": "<|endoftext|>"}))
+    (out / "tokenizer_config.json").write_text(
+        json.dumps(
+            {"tokenizer_class": "PreTrainedTokenizerFast", "eos_token": "<|im_end|>", "pad_token": "<|endoftext|>"}
+        )
+    )
     return out
 
 
@@ -108,28 +163,52 @@ COVERAGE = {
     "type": ({"type": "integer"}, 42, "42"),
     "properties": ({"type": "object", "properties": {"a": {"type": "string"}}}, {"a": "x"}, {"a": 1}),
     "required": ({"type": "object", "properties": {"a": {"type": "string"}}, "required": ["a"]}, {"a": "x"}, {}),
-    "additionalProperties": ({"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"],
-                              "additionalProperties": False}, {"a": 1}, {"a": 1, "b": 2}),
+    "additionalProperties": (
+        {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"], "additionalProperties": False},
+        {"a": 1},
+        {"a": 1, "b": 2},
+    ),
     "enum": ({"enum": ["red", "green"]}, "red", "blue"),
     "const": ({"const": "x"}, "x", "y"),
     "items": ({"type": "array", "items": {"type": "integer"}}, [1, 2], [1, "a"]),
     "minItems": ({"type": "array", "items": {"type": "integer"}, "minItems": 2}, [1, 2], [1]),
     "maxItems": ({"type": "array", "items": {"type": "integer"}, "maxItems": 2}, [1, 2], [1, 2, 3]),
-    "nested objects": ({"type": "object", "properties": {"o": {"type": "object", "properties": {
-        "b": {"type": "boolean"}}, "required": ["b"]}}, "required": ["o"]}, {"o": {"b": True}}, {"o": {"b": 1}}),
+    "nested objects": (
+        {
+            "type": "object",
+            "properties": {"o": {"type": "object", "properties": {"b": {"type": "boolean"}}, "required": ["b"]}},
+            "required": ["o"],
+        },
+        {"o": {"b": True}},
+        {"o": {"b": 1}},
+    ),
     "anyOf": ({"anyOf": [{"type": "integer"}, {"type": "string"}]}, "a", [1]),
-    "$ref/$defs": ({"$defs": {"p": {"type": "object", "properties": {"n": {"type": "integer"}}, "required": ["n"]}},
-                    "type": "object", "properties": {"x": {"$ref": "#/$defs/p"}}, "required": ["x"]},
-                   {"x": {"n": 1}}, {"x": {"n": "1"}}),
+    "$ref/$defs": (
+        {
+            "$defs": {"p": {"type": "object", "properties": {"n": {"type": "integer"}}, "required": ["n"]}},
+            "type": "object",
+            "properties": {"x": {"$ref": "#/$defs/p"}},
+            "required": ["x"],
+        },
+        {"x": {"n": 1}},
+        {"x": {"n": "1"}},
+    ),
 }
 
 BENCH_SCHEMA = {
-    "$defs": {"address": {"type": "object", "properties": {"street": {"type": "string"}, "city": {"type": "string"},
-                                                          "zip": {"type": "string"}},
-                          "required": ["street", "city"], "additionalProperties": False}},
+    "$defs": {
+        "address": {
+            "type": "object",
+            "properties": {"street": {"type": "string"}, "city": {"type": "string"}, "zip": {"type": "string"}},
+            "required": ["street", "city"],
+            "additionalProperties": False,
+        }
+    },
     "type": "object",
     "properties": {
-        "name": {"type": "string"}, "age": {"type": "integer"}, "email": {"type": "string"},
+        "name": {"type": "string"},
+        "age": {"type": "integer"},
+        "email": {"type": "string"},
         "role": {"enum": ["admin", "user", "guest"]},
         "tags": {"type": "array", "items": {"type": "string"}, "minItems": 1, "maxItems": 5},
         "address": {"$ref": "#/$defs/address"},
@@ -138,9 +217,15 @@ BENCH_SCHEMA = {
     "required": ["name", "age", "role", "tags", "address"],
     "additionalProperties": False,
 }
-BENCH_ANSWER = {"name": "Ada Lovelace", "age": 36, "email": "ada@example.com", "role": "admin",
-                "tags": ["mathematics", "poetry", "engines"],
-                "address": {"street": "12 St James's Square", "city": "London", "zip": "SW1Y 4JH"}, "score": 9.5}
+BENCH_ANSWER = {
+    "name": "Ada Lovelace",
+    "age": 36,
+    "email": "ada@example.com",
+    "role": "admin",
+    "tags": ["mathematics", "poetry", "engines"],
+    "address": {"street": "12 St James's Square", "city": "London", "zip": "SW1Y 4JH"},
+    "score": 9.5,
+}
 
 
 class LLG:
@@ -155,7 +240,9 @@ class LLG:
         self.words = (MODEL_VOCAB + 31) // 32
 
     def compile(self, schema):
-        g = self.llg.LLMatcher.grammar_from_json_schema(schema, defaults={"whitespace_flexible": False, "item_separator": ",", "key_separator": ":"})
+        g = self.llg.LLMatcher.grammar_from_json_schema(
+            schema, defaults={"whitespace_flexible": False, "item_separator": ",", "key_separator": ":"}
+        )
         m = self.llg.LLMatcher(self.tok, g)
         if m.is_error():
             raise ValueError(m.get_error())
@@ -212,8 +299,9 @@ class XGR:
         self.words = (MODEL_VOCAB + 31) // 32
 
     def compile(self, schema):
-        c = self.compiler.compile_json_schema(json.dumps(schema), any_whitespace=False, strict_mode=True,
-                                             separators=(",", ":"))
+        c = self.compiler.compile_json_schema(
+            json.dumps(schema), any_whitespace=False, strict_mode=True, separators=(",", ":")
+        )
         return self.xgr.GrammarMatcher(c, max_rollback_tokens=16)
 
     def accepts(self, m, tokens) -> bool:
@@ -271,8 +359,8 @@ def measure(engine, hf_tok) -> dict:
     m = engine.compile(BENCH_SCHEMA)
     blocks = []
     for start in range(0, len(tokens) - 8, 7):
-        blocks.append(engine.verify_block(m, tokens[start:start + 7]))
-        for t in tokens[start:start + 7]:
+        blocks.append(engine.verify_block(m, tokens[start : start + 7]))
+        for t in tokens[start : start + 7]:
             (m.consume_token if engine.name == "llguidance" else m.accept_token)(t)
     out["verify_block_8_rows_ms_median"] = 1000 * statistics.median(blocks)
     covered = {}

@@ -58,8 +58,12 @@ def main(argv=None) -> int:
     ap.add_argument("--k", type=int, default=16, help="candidates per row")
     ap.add_argument("--rank", type=int, default=256)
     ap.add_argument("--vocab", type=int, default=248320)
-    ap.add_argument("--dtype", default="float32", choices=["float32", "float16", "bfloat16"],
-                    help="dtype of the conv input x (codebooks stay float32)")
+    ap.add_argument(
+        "--dtype",
+        default="float32",
+        choices=["float32", "float16", "bfloat16"],
+        help="dtype of the conv input x (codebooks stay float32)",
+    )
     ap.add_argument("--temperature", type=float, default=0.7)
     ap.add_argument("--iters", type=int, default=50)
     ap.add_argument("--warmup", type=int, default=5)
@@ -79,7 +83,7 @@ def main(argv=None) -> int:
     cand = mx.random.randint(0, v, (n, rows, k), key=ks[4]).astype(mx.int32)
     unary = mx.random.normal((n, rows, k), key=ks[5])
     hidden = mx.random.normal((n, rows, r), key=ks[6])
-    cb = mx.random.normal((2, v, r), key=ks[7]) * (r ** -0.5)
+    cb = mx.random.normal((2, v, r), key=ks[7]) * (r**-0.5)
     pred_cb, succ_cb = cb[0], cb[1]
     uniforms = mx.random.uniform(shape=(n, rows), key=key)
     mx.eval(x, dyn, base, anchor, cand, unary, hidden, pred_cb, succ_cb, uniforms)
@@ -97,26 +101,51 @@ def main(argv=None) -> int:
     status = kernels.prepare() if metal else kernels.active_kernels()
     results = []
     for name, (ref, call_args) in cases.items():
-        results.append({"kernel": name, "impl": "reference ops",
-                        **_time(lambda: ref(*call_args), args.iters, args.warmup)})
+        results.append(
+            {"kernel": name, "impl": "reference ops", **_time(lambda: ref(*call_args), args.iters, args.warmup)}
+        )
         compiled = mx.compile(ref)
-        results.append({"kernel": name, "impl": "reference ops (mx.compile)",
-                        **_time(lambda: compiled(*call_args), args.iters, args.warmup)})
+        results.append(
+            {
+                "kernel": name,
+                "impl": "reference ops (mx.compile)",
+                **_time(lambda: compiled(*call_args), args.iters, args.warmup),
+            }
+        )
         if metal and status.get(name) == "metal":
-            results.append({"kernel": name, "impl": "fused Metal kernel",
-                            **_time(lambda: _metal_call(name, *call_args), args.iters, args.warmup)})
+            results.append(
+                {
+                    "kernel": name,
+                    "impl": "fused Metal kernel",
+                    **_time(lambda: _metal_call(name, *call_args), args.iters, args.warmup),
+                }
+            )
 
     note = (
-        "Metal available: fused kernels timed" if metal else
-        "Metal not available on this machine (default device "
+        "Metal available: fused kernels timed"
+        if metal
+        else "Metal not available on this machine (default device "
         f"{mx.default_device()}): only the reference ops were timed"
     )
     report = {
-        "machine": {"platform": platform.platform(), "processor": platform.processor(),
-                    "mlx": mx.__version__, "device": str(mx.default_device())},
-        "shapes": {"blocks": n, "block_size": b, "hidden": h, "groups": g, "selector_rows": rows,
-                   "k": k, "rank": r, "vocab": v, "conv_dtype": args.dtype,
-                   "codebook_dtype": "float32"},
+        "machine": {
+            "platform": platform.platform(),
+            "processor": platform.processor(),
+            "mlx": mx.__version__,
+            "device": str(mx.default_device()),
+        },
+        "shapes": {
+            "blocks": n,
+            "block_size": b,
+            "hidden": h,
+            "groups": g,
+            "selector_rows": rows,
+            "k": k,
+            "rank": r,
+            "vocab": v,
+            "conv_dtype": args.dtype,
+            "codebook_dtype": "float32",
+        },
         "active_kernels": status,
         "note": note,
         "results": results,
@@ -125,12 +154,16 @@ def main(argv=None) -> int:
         print(json.dumps(report, indent=2))
         return 0
     print(f"# {note}")
-    print(f"# N={n} B={b} H={h} G={g} (conv x {args.dtype}); selector R={rows} k={k} r={r} "
-          f"V={v} (float32 codebooks); mlx {mx.__version__} on {mx.default_device()}")
+    print(
+        f"# N={n} B={b} H={h} G={g} (conv x {args.dtype}); selector R={rows} k={k} r={r} "
+        f"V={v} (float32 codebooks); mlx {mx.__version__} on {mx.default_device()}"
+    )
     print(f"{'kernel':<16} {'implementation':<28} {'median us':>10} {'p10 us':>10} {'p90 us':>10}")
     for row in results:
-        print(f"{row['kernel']:<16} {row['impl']:<28} {row['median_us']:>10.1f} "
-              f"{row['p10_us']:>10.1f} {row['p90_us']:>10.1f}")
+        print(
+            f"{row['kernel']:<16} {row['impl']:<28} {row['median_us']:>10.1f} "
+            f"{row['p10_us']:>10.1f} {row['p90_us']:>10.1f}"
+        )
     return 0
 
 

@@ -53,8 +53,15 @@ def measure(target, drafter, prompt: list[int], max_tokens: int) -> dict:
     plain = last(generate_autoregressive(target.runner, prompt, settings))
     cycle_ms = 1000 * spec.decode_seconds / spec.verify_steps
     step_ms = 1000 * plain.decode_seconds / (plain.generation_tokens - 1)
-    return {"context": len(prompt), "cycle_ms": cycle_ms, "ar_step_ms": step_ms, "cycle_over_step": cycle_ms / step_ms,
-            "acceptance_length": spec.acceptance_length, "spec_tps": spec.decode_tps, "ar_tps": plain.decode_tps}
+    return {
+        "context": len(prompt),
+        "cycle_ms": cycle_ms,
+        "ar_step_ms": step_ms,
+        "cycle_over_step": cycle_ms / step_ms,
+        "acceptance_length": spec.acceptance_length,
+        "spec_tps": spec.decode_tps,
+        "ar_tps": plain.decode_tps,
+    }
 
 
 def main(argv=None) -> int:
@@ -65,10 +72,13 @@ def main(argv=None) -> int:
     ap.add_argument("--long", type=int, default=4000)
     ap.add_argument("--max-tokens", type=int, default=96)
     ap.add_argument("--repeats", type=int, default=3)
-    ap.add_argument("--reduced-depth", action="store_true",
-                    help="Qwen3.8-27B / DFlash 2 widths at reduced depth, random weights, float32 "
-                         "(benchmarks/cost_model.py): cycle = draft + 8-row verify + rollback, "
-                         "AR step = a 1-row pass, at both contexts (about 18 GB of memory)")
+    ap.add_argument(
+        "--reduced-depth",
+        action="store_true",
+        help="Qwen3.8-27B / DFlash 2 widths at reduced depth, random weights, float32 "
+        "(benchmarks/cost_model.py): cycle = draft + 8-row verify + rollback, "
+        "AR step = a 1-row pass, at both contexts (about 18 GB of memory)",
+    )
     args = ap.parse_args(argv)
     if args.reduced_depth:
         return reduced_depth(args.short, args.long, args.repeats)
@@ -84,8 +94,10 @@ def main(argv=None) -> int:
         row["cycle_over_step"] = row["cycle_ms"] / row["ar_step_ms"]
         rows.append(row)
     for r in rows:
-        print(f"context {r['context']:5d}: cycle {r['cycle_ms']:.1f} ms, AR step {r['ar_step_ms']:.1f} ms, "
-              f"cycle / step {r['cycle_over_step']:.2f}, acceptance {r['acceptance_length']:.2f}")
+        print(
+            f"context {r['context']:5d}: cycle {r['cycle_ms']:.1f} ms, AR step {r['ar_step_ms']:.1f} ms, "
+            f"cycle / step {r['cycle_over_step']:.2f}, acceptance {r['acceptance_length']:.2f}"
+        )
     change = rows[1]["cycle_over_step"] / rows[0]["cycle_over_step"] - 1
     print(f"cycle / step at {rows[1]['context']} vs {rows[0]['context']} tokens: {100 * change:+.1f}%")
     print(json.dumps({"rows": rows, "relative_change": change}))
@@ -103,9 +115,11 @@ def reduced_depth(short: int, long: int, repeats: int) -> int:
     runner, drafter = cost_model.build(mx.float32, None)
     rows = cost_model.cycle_and_step(runner, drafter, [short, long], repeats)
     for r in rows:
-        print(f"context {r['context']:5d}: cycle {r['cycle_ms']:.0f} ms (draft {r['draft_ms']:.0f}, verify "
-              f"{r['verify_8_ms']:.0f}, rollback {r['rollback_ms']:.1f}), AR step {r['ar_step_ms']:.0f} ms, "
-              f"cycle / step {r['cycle_over_step']:.3f}")
+        print(
+            f"context {r['context']:5d}: cycle {r['cycle_ms']:.0f} ms (draft {r['draft_ms']:.0f}, verify "
+            f"{r['verify_8_ms']:.0f}, rollback {r['rollback_ms']:.1f}), AR step {r['ar_step_ms']:.0f} ms, "
+            f"cycle / step {r['cycle_over_step']:.3f}"
+        )
     change = rows[1]["cycle_over_step"] / rows[0]["cycle_over_step"] - 1
     print(f"cycle / step at {long} vs {short} tokens (real widths, reduced depth): {100 * change:+.1f}%")
     print(json.dumps({"rows": rows, "relative_change": change}))

@@ -48,13 +48,19 @@ def main(argv=None) -> int:
     target = load_target(args.model or str(target_path))
     drafter = load_drafter(args.draft_model or str(drafter_path))
     tok, runner = target.tokenizer, target.runner
-    prompts = {"prompt set (1)": encode_line(tok, embedded_prompts()[0]),
-               f"long ({args.long} tokens)": held_out_tokens(tok, args.long)}
+    prompts = {
+        "prompt set (1)": encode_line(tok, embedded_prompts()[0]),
+        f"long ({args.long} tokens)": held_out_tokens(tok, args.long),
+    }
 
     def run(mode: str, ids, temperature: float, max_tokens: int):
         sampling = SamplingSettings(temperature=temperature)
         if mode == "plain decoding":
-            return collect(generate_autoregressive(runner, ids, GenerationSettings(max_tokens=max_tokens, sampling=sampling, seed=0)))
+            return collect(
+                generate_autoregressive(
+                    runner, ids, GenerationSettings(max_tokens=max_tokens, sampling=sampling, seed=0)
+                )
+            )
         settings = GenerationSettings(max_tokens=max_tokens, sampling=sampling, seed=0, policy=ScheduledBlocks([1]))
         return collect(generate_speculative(runner, drafter, ids, settings))
 
@@ -66,7 +72,7 @@ def main(argv=None) -> int:
                 run(mode, ids, temperature, 16)
             tps = {m: [] for m in modes}
             for r in range(args.repeats):
-                for mode in (modes if r % 2 == 0 else modes[::-1]):
+                for mode in modes if r % 2 == 0 else modes[::-1]:
                     tokens, stats = run(mode, ids, temperature, args.max_tokens)
                     tps[mode].append(stats.decode_tps)
                     if mode == modes[0]:
@@ -74,16 +80,23 @@ def main(argv=None) -> int:
                     elif temperature == 0 and tokens != reference:
                         raise SystemExit("plain steps in the loop did not reproduce plain decoding")
             ratios = [b / a for a, b in zip(*tps.values())]
-            cell = {"temperature": temperature, "prompt": name,
-                    "plain_tps_median": statistics.median(tps[modes[0]]),
-                    "loop_tps_median": statistics.median(tps[modes[1]]),
-                    "ratio_median": statistics.median(ratios), "ratio_range": [min(ratios), max(ratios)],
-                    # best of the runs: what each path does when the machine leaves it alone
-                    "ratio_of_best": max(tps[modes[1]]) / max(tps[modes[0]])}
+            cell = {
+                "temperature": temperature,
+                "prompt": name,
+                "plain_tps_median": statistics.median(tps[modes[0]]),
+                "loop_tps_median": statistics.median(tps[modes[1]]),
+                "ratio_median": statistics.median(ratios),
+                "ratio_range": [min(ratios), max(ratios)],
+                # best of the runs: what each path does when the machine leaves it alone
+                "ratio_of_best": max(tps[modes[1]]) / max(tps[modes[0]]),
+            }
             report["cells"].append(cell)
-            print(f"T={temperature:g} {name}: plain {cell['plain_tps_median']:.0f} tok/s, loop plain steps "
-                  f"{cell['loop_tps_median']:.0f} tok/s, ratio {cell['ratio_median']:.3f} "
-                  f"[{min(ratios):.3f}-{max(ratios):.3f}], best of each {cell['ratio_of_best']:.3f}", flush=True)
+            print(
+                f"T={temperature:g} {name}: plain {cell['plain_tps_median']:.0f} tok/s, loop plain steps "
+                f"{cell['loop_tps_median']:.0f} tok/s, ratio {cell['ratio_median']:.3f} "
+                f"[{min(ratios):.3f}-{max(ratios):.3f}], best of each {cell['ratio_of_best']:.3f}",
+                flush=True,
+            )
     if args.json:
         args.json.write_text(json.dumps(report, indent=1) + "\n")
     return 0

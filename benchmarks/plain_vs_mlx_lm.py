@@ -75,11 +75,19 @@ def main(argv=None) -> int:
     for r in range(args.rounds):
         for i, ids in enumerate(prompts):
             runs = {}
-            for name in (("ours", "mlx-lm") if (r + i) % 2 == 0 else ("mlx-lm", "ours")):
+            for name in ("ours", "mlx-lm") if (r + i) % 2 == 0 else ("mlx-lm", "ours"):
                 runs[name] = (ours if name == "ours" else theirs)(ids)
             ours_tps, their_tps = decode_tps(runs["ours"][1]), decode_tps(runs["mlx-lm"][1])
-            cells.append({"round": r, "prompt": i, "ours_tps": ours_tps, "mlx_lm_tps": their_tps,
-                          "ratio": ours_tps / their_tps, "identical": runs["ours"][0] == runs["mlx-lm"][0]})
+            cells.append(
+                {
+                    "round": r,
+                    "prompt": i,
+                    "ours_tps": ours_tps,
+                    "mlx_lm_tps": their_tps,
+                    "ratio": ours_tps / their_tps,
+                    "identical": runs["ours"][0] == runs["mlx-lm"][0],
+                }
+            )
     ratios = [c["ratio"] for c in cells]
     summary = {
         "model": target.name,
@@ -91,8 +99,11 @@ def main(argv=None) -> int:
     }
     print(json.dumps(summary, indent=2))
     if args.json:
-        args.json.write_text(json.dumps({"settings": vars(args) | {"json": str(args.json)}, "summary": summary,
-                                         "cells": cells}, indent=2))
+        args.json.write_text(
+            json.dumps(
+                {"settings": vars(args) | {"json": str(args.json)}, "summary": summary, "cells": cells}, indent=2
+            )
+        )
     return 0
 
 

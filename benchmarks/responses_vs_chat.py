@@ -37,20 +37,34 @@ def main() -> None:
         model, times = "tiny-code-demo-target", {"chat": [], "responses": []}
         for _ in range(args.pairs + 1):  # the first pair warms up
             t = time.perf_counter()
-            chat = client.chat.completions.create(model=model, messages=[{"role": "user", "content": "def fib(n):"}],
-                                                  max_tokens=args.max_tokens, temperature=0, logit_bias=NEVER_STOP)
+            chat = client.chat.completions.create(
+                model=model,
+                messages=[{"role": "user", "content": "def fib(n):"}],
+                max_tokens=args.max_tokens,
+                temperature=0,
+                logit_bias=NEVER_STOP,
+            )
             times["chat"].append(time.perf_counter() - t)
             t = time.perf_counter()
-            resp = client.responses.create(model=model, input="def fib(n):", max_output_tokens=args.max_tokens,
-                                           temperature=0, extra_body={"logit_bias": NEVER_STOP})
+            resp = client.responses.create(
+                model=model,
+                input="def fib(n):",
+                max_output_tokens=args.max_tokens,
+                temperature=0,
+                extra_body={"logit_bias": NEVER_STOP},
+            )
             times["responses"].append(time.perf_counter() - t)
             assert chat.choices[0].message.content == resp.output_text
             assert chat.model_extra["speculative"] == resp.model_extra["speculative"]
         med = {k: statistics.median(v[1:]) for k, v in times.items()}
-        print(f"{args.pairs} interleaved pairs, {args.max_tokens} tokens each, identical outputs and statistics "
-              f"(acceptance {resp.model_extra['speculative']['acceptance_length']})")
-        print(f"median wall time: chat {1000 * med['chat']:.1f} ms, responses {1000 * med['responses']:.1f} ms, "
-              f"responses / chat {med['responses'] / med['chat']:.3f}")
+        print(
+            f"{args.pairs} interleaved pairs, {args.max_tokens} tokens each, identical outputs and statistics "
+            f"(acceptance {resp.model_extra['speculative']['acceptance_length']})"
+        )
+        print(
+            f"median wall time: chat {1000 * med['chat']:.1f} ms, responses {1000 * med['responses']:.1f} ms, "
+            f"responses / chat {med['responses'] / med['chat']:.3f}"
+        )
 
 
 if __name__ == "__main__":

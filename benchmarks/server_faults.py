@@ -40,12 +40,17 @@ from dflash2_mlx.server.app import model_name_for  # noqa: E402
 MEMORY_TOLERANCE = 1 * 2**20  # bytes of MLX active memory allowed above the baseline
 
 
-async def vanishing_client(base: str, model: str, i: int, after_chunks: int, give_up_after: float,
-                           max_tokens: int) -> dict:
+async def vanishing_client(
+    base: str, model: str, i: int, after_chunks: int, give_up_after: float, max_tokens: int
+) -> dict:
     """Drops the connection after ``after_chunks`` stream chunks, or after ``give_up_after`` seconds
     (whichever comes first: a client still queued then gives up while waiting)."""
-    body = {"model": model, "messages": [{"role": "user", "content": f"Tell me a long story ({i})"}],
-            "max_tokens": max_tokens, "stream": True}
+    body = {
+        "model": model,
+        "messages": [{"role": "user", "content": f"Tell me a long story ({i})"}],
+        "max_tokens": max_tokens,
+        "stream": True,
+    }
     chunks, state = 0, "queued"
 
     async def consume():
@@ -74,11 +79,14 @@ async def faults(base: str, model: str, clients: int, seed: int) -> dict:
     plans = [(rng.randint(1, 40), rng.uniform(0.05, 2.0) if i % 4 == 3 else 600.0) for i in range(clients)]
     t0 = time.perf_counter()
     results = await asyncio.gather(*(vanishing_client(base, model, i, k, t, 4000) for i, (k, t) in enumerate(plans)))
-    return {"clients": clients, "gave_up": sum(r["gave_up"] for r in results),
-            "gave_up_while_queued": sum(r["gave_up"] and r["state"] == "queued" for r in results),
-            "gave_up_mid_stream": sum(r["gave_up"] and r["state"] == "streaming" for r in results),
-            "chunks_before_leaving": sorted(r["chunks"] for r in results),
-            "wall_s": round(time.perf_counter() - t0, 2)}
+    return {
+        "clients": clients,
+        "gave_up": sum(r["gave_up"] for r in results),
+        "gave_up_while_queued": sum(r["gave_up"] and r["state"] == "queued" for r in results),
+        "gave_up_mid_stream": sum(r["gave_up"] and r["state"] == "streaming" for r in results),
+        "chunks_before_leaving": sorted(r["chunks"] for r in results),
+        "wall_s": round(time.perf_counter() - t0, 2),
+    }
 
 
 def wait_idle(base: str, timeout: float = 30.0) -> float:
@@ -93,8 +101,16 @@ def wait_idle(base: str, timeout: float = 30.0) -> float:
 
 
 def greedy(base: str, model: str) -> str:
-    r = httpx.post(base + "/v1/chat/completions", timeout=120, json={
-        "model": model, "messages": [{"role": "user", "content": "Reference request"}], "max_tokens": 48, "temperature": 0})
+    r = httpx.post(
+        base + "/v1/chat/completions",
+        timeout=120,
+        json={
+            "model": model,
+            "messages": [{"role": "user", "content": "Reference request"}],
+            "max_tokens": 48,
+            "temperature": 0,
+        },
+    )
     r.raise_for_status()
     return r.json()["choices"][0]["message"]["content"]
 
@@ -107,9 +123,17 @@ def sigterm_mid_stream(srv, model: str) -> dict:
 
     def reader(i: int) -> None:
         try:
-            with httpx.stream("POST", srv.base + "/v1/chat/completions", timeout=60, json={
-                    "model": model, "messages": [{"role": "user", "content": f"stream {i}"}], "max_tokens": 100000,
-                    "stream": True}) as r:
+            with httpx.stream(
+                "POST",
+                srv.base + "/v1/chat/completions",
+                timeout=60,
+                json={
+                    "model": model,
+                    "messages": [{"role": "user", "content": f"stream {i}"}],
+                    "max_tokens": 100000,
+                    "stream": True,
+                },
+            ) as r:
                 statuses[i] = r.status_code
                 for line in r.iter_lines():
                     streams[i].append(line)
@@ -131,10 +155,14 @@ def sigterm_mid_stream(srv, model: str) -> dict:
         t.join(10)
     data = [line[6:] for line in streams[0] if line.startswith("data: ")]
     final = json.loads(data[-2]) if len(data) >= 2 and data[-1] == "[DONE]" else None
-    return {"exit_code": code, "exit_seconds": round(exit_s, 2), "stream_ended_with_done": bool(final),
-            "final_finish_reason": final["choices"][0]["finish_reason"] if final else None,
-            "waiting_statuses": [statuses.get(1), statuses.get(2)],
-            "traceback_in_log": "Traceback" in srv.log_text()}
+    return {
+        "exit_code": code,
+        "exit_seconds": round(exit_s, 2),
+        "stream_ended_with_done": bool(final),
+        "final_finish_reason": final["choices"][0]["finish_reason"] if final else None,
+        "waiting_statuses": [statuses.get(1), statuses.get(2)],
+        "traceback_in_log": "Traceback" in srv.log_text(),
+    }
 
 
 def main() -> int:
@@ -169,26 +197,41 @@ def main() -> int:
             time.sleep(0.2)
             m2 = metrics(srv.base)
             base, active = m0["dflash2_mlx_baseline_memory_bytes"], m2["dflash2_mlx_active_memory_bytes"]
-            report["memory"] = {"baseline_bytes": int(base), "with_prefix_cache_bytes": int(m1["dflash2_mlx_active_memory_bytes"]),
-                                "prefix_cache_bytes_before_clear": int(m1["dflash2_mlx_prefix_cache_bytes"]),
-                                "after_clear_bytes": int(active), "excess_bytes": int(active - base),
-                                "back_to_baseline": active <= base + MEMORY_TOLERANCE}
+            report["memory"] = {
+                "baseline_bytes": int(base),
+                "with_prefix_cache_bytes": int(m1["dflash2_mlx_active_memory_bytes"]),
+                "prefix_cache_bytes_before_clear": int(m1["dflash2_mlx_prefix_cache_bytes"]),
+                "after_clear_bytes": int(active),
+                "excess_bytes": int(active - base),
+                "back_to_baseline": active <= base + MEMORY_TOLERANCE,
+            }
             report["sigterm"] = sigterm_mid_stream(srv, model)
-    ok = (report["faults"]["health"] == 200 and report["faults"]["same_output_after"] and report["memory"]["back_to_baseline"]
-          and report["sigterm"]["exit_code"] == 0 and report["sigterm"]["stream_ended_with_done"]
-          and not report["sigterm"]["traceback_in_log"])
+    ok = (
+        report["faults"]["health"] == 200
+        and report["faults"]["same_output_after"]
+        and report["memory"]["back_to_baseline"]
+        and report["sigterm"]["exit_code"] == 0
+        and report["sigterm"]["stream_ended_with_done"]
+        and not report["sigterm"]["traceback_in_log"]
+    )
     report["ok"] = ok
     if args.json:
         print(json.dumps(report, indent=2))
     else:
         f, mem, st = report["faults"], report["memory"], report["sigterm"]
-        print(f"{f['clients']} vanishing clients ({f['gave_up_while_queued']} while queued, {f['gave_up_mid_stream']} mid-stream): "
-              f"idle {f['idle_after_s']} s later, /health {f['health']}, generations {f['generations']}, "
-              f"same greedy output after: {f['same_output_after']}")
-        print(f"memory: baseline {mem['baseline_bytes'] / 2**20:.2f} MiB, with prefix cache {mem['with_prefix_cache_bytes'] / 2**20:.2f} MiB, "
-              f"after clearing it {mem['after_clear_bytes'] / 2**20:.2f} MiB (excess {mem['excess_bytes']} bytes)")
-        print(f"SIGTERM mid-stream: exit code {st['exit_code']} after {st['exit_seconds']} s; stream ended with [DONE]: "
-              f"{st['stream_ended_with_done']} (finish_reason {st['final_finish_reason']}); waiting requests got {st['waiting_statuses']}")
+        print(
+            f"{f['clients']} vanishing clients ({f['gave_up_while_queued']} while queued, {f['gave_up_mid_stream']} mid-stream): "
+            f"idle {f['idle_after_s']} s later, /health {f['health']}, generations {f['generations']}, "
+            f"same greedy output after: {f['same_output_after']}"
+        )
+        print(
+            f"memory: baseline {mem['baseline_bytes'] / 2**20:.2f} MiB, with prefix cache {mem['with_prefix_cache_bytes'] / 2**20:.2f} MiB, "
+            f"after clearing it {mem['after_clear_bytes'] / 2**20:.2f} MiB (excess {mem['excess_bytes']} bytes)"
+        )
+        print(
+            f"SIGTERM mid-stream: exit code {st['exit_code']} after {st['exit_seconds']} s; stream ended with [DONE]: "
+            f"{st['stream_ended_with_done']} (finish_reason {st['final_finish_reason']}); waiting requests got {st['waiting_statuses']}"
+        )
         print("OK" if ok else "FAILED")
     return 0 if ok else 1
 

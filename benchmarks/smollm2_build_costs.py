@@ -45,15 +45,24 @@ def main() -> None:
         return time.perf_counter() - t
 
     generation, features = [generation_seconds()], [feature_seconds()]
-    plan = dataclasses.replace(FULL, drafter_steps=8,
-                               drafter_options={**FULL.drafter_options, "log_every": 1, "checkpoint_every": 0})
+    plan = dataclasses.replace(
+        FULL, drafter_steps=8, drafter_options={**FULL.drafter_options, "log_every": 1, "checkpoint_every": 0}
+    )
     with tempfile.TemporaryDirectory() as tmp:
         info = train(plan, target, windows, Path(tmp) / "drafter", print)
         history = json.loads((Path(tmp) / "drafter" / "training_state" / "state.json").read_text())["history"]
     generation.append(generation_seconds())
     features.append(feature_seconds())
-    print(json.dumps({"generation_9_steps_batch_32_s": generation, "features_32_windows_s": features,
-                      "train_step_s": [1 / h["steps_s"] for h in history[2:]], "drafter_bytes": info["bytes"]}))
+    print(
+        json.dumps(
+            {
+                "generation_9_steps_batch_32_s": generation,
+                "features_32_windows_s": features,
+                "train_step_s": [1 / h["steps_s"] for h in history[2:]],
+                "drafter_bytes": info["bytes"],
+            }
+        )
+    )
 
 
 if __name__ == "__main__":

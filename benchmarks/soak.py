@@ -49,17 +49,41 @@ from server_helpers import metrics, running_server  # noqa: E402
 from dflash2_mlx.server.app import model_name_for  # noqa: E402
 
 # A long system prompt sent again and again: its prefix snapshot is what the prompt cache is for.
-SYSTEM = " ".join(f"Rule {i}: answer in plain Python, keep names short, explain nothing unless asked, "
-                  "prefer the standard library, and never print secrets." for i in range(12))
-QUESTIONS = ["Write a function that adds two numbers.", "Sort a list of words by length.", "Read a CSV file.",
-             "Reverse a string.", "Parse a date.", "Retry a web request.", "Count words in a text.",
-             "Compute a prime sieve.", "Flatten a nested list.", "Merge two dictionaries."]
-WEATHER_TOOL = {"type": "function", "function": {
-    "name": "get_weather", "description": "The weather forecast for a city.",
-    "parameters": {"type": "object", "properties": {"city": {"type": "string"}, "days": {"type": "integer"}},
-                   "required": ["city", "days"]}}}
-PERSON_SCHEMA = {"type": "object", "properties": {"name": {"type": "string"}, "age": {"type": "integer"}},
-                 "required": ["name", "age"], "additionalProperties": False}
+SYSTEM = " ".join(
+    f"Rule {i}: answer in plain Python, keep names short, explain nothing unless asked, "
+    "prefer the standard library, and never print secrets."
+    for i in range(12)
+)
+QUESTIONS = [
+    "Write a function that adds two numbers.",
+    "Sort a list of words by length.",
+    "Read a CSV file.",
+    "Reverse a string.",
+    "Parse a date.",
+    "Retry a web request.",
+    "Count words in a text.",
+    "Compute a prime sieve.",
+    "Flatten a nested list.",
+    "Merge two dictionaries.",
+]
+WEATHER_TOOL = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "The weather forecast for a city.",
+        "parameters": {
+            "type": "object",
+            "properties": {"city": {"type": "string"}, "days": {"type": "integer"}},
+            "required": ["city", "days"],
+        },
+    },
+}
+PERSON_SCHEMA = {
+    "type": "object",
+    "properties": {"name": {"type": "string"}, "age": {"type": "integer"}},
+    "required": ["name", "age"],
+    "additionalProperties": False,
+}
 SAMPLE_EVERY = 10.0  # seconds between readings of the server's memory, descriptors, threads and caches
 
 
@@ -102,13 +126,22 @@ class Traffic:
         return "/v1/chat/completions", body, self.rng.random() < 0.5
 
     def json_schema(self) -> tuple:
-        body = {"model": self.model, "messages": [{"role": "user", "content": "A person as JSON."}], "max_tokens": 48,
-                "response_format": {"type": "json_schema", "json_schema": {"name": "person", "schema": PERSON_SCHEMA}}}
+        body = {
+            "model": self.model,
+            "messages": [{"role": "user", "content": "A person as JSON."}],
+            "max_tokens": 48,
+            "response_format": {"type": "json_schema", "json_schema": {"name": "person", "schema": PERSON_SCHEMA}},
+        }
         return "/v1/chat/completions", body, False
 
     def forced_tool(self) -> tuple:
-        body = {"model": self.model, "messages": [{"role": "user", "content": "Weather in Paris for 3 days?"}],
-                "max_tokens": 48, "tools": [WEATHER_TOOL], "tool_choice": "required"}
+        body = {
+            "model": self.model,
+            "messages": [{"role": "user", "content": "Weather in Paris for 3 days?"}],
+            "max_tokens": 48,
+            "tools": [WEATHER_TOOL],
+            "tool_choice": "required",
+        }
         return "/v1/chat/completions", body, self.rng.random() < 0.5
 
     def anthropic(self) -> tuple:
@@ -116,35 +149,58 @@ class Traffic:
         return "/v1/messages", body, body["stream"]
 
     def responses(self) -> tuple:
-        body = {"model": self.model, "input": self.rng.choice(QUESTIONS), "max_output_tokens": 32,
-                "stream": self.rng.random() < 0.5}
+        body = {
+            "model": self.model,
+            "input": self.rng.choice(QUESTIONS),
+            "max_output_tokens": 32,
+            "stream": self.rng.random() < 0.5,
+        }
         return "/v1/responses", body, body["stream"]
 
     def malformed(self) -> tuple:
         """A request a client got wrong: the server must answer 4xx."""
         m = self.model
-        bad = self.rng.choice([
-            ("/v1/chat/completions", b"{not json"),
-            ("/v1/chat/completions", {"model": m}),  # no messages
-            ("/v1/chat/completions", {"model": m, "messages": self.messages(), "max_tokens": -5}),
-            ("/v1/chat/completions", {"model": m, "messages": self.messages(), "temperature": -1}),
-            ("/v1/chat/completions", {"model": "no-such-model", "messages": self.messages()}),
-            ("/v1/chat/completions", {"model": m, "messages": self.messages(),
-                                      "response_format": {"type": "json_schema", "json_schema": {"schema": 7}}}),
-            ("/v1/chat/completions", {"model": m, "messages": [{"role": "wizard", "content": "hi"}]}),
-            ("/v1/messages", {"model": m, "max_tokens": 16, "messages": "hello"}),  # messages must be a list
-            ("/v1/responses", {"model": m, "input": 42}),
-            ("/v1/completions", {"model": m, "prompt": "x", "max_tokens": "many"}),
-        ])
+        bad = self.rng.choice(
+            [
+                ("/v1/chat/completions", b"{not json"),
+                ("/v1/chat/completions", {"model": m}),  # no messages
+                ("/v1/chat/completions", {"model": m, "messages": self.messages(), "max_tokens": -5}),
+                ("/v1/chat/completions", {"model": m, "messages": self.messages(), "temperature": -1}),
+                ("/v1/chat/completions", {"model": "no-such-model", "messages": self.messages()}),
+                (
+                    "/v1/chat/completions",
+                    {
+                        "model": m,
+                        "messages": self.messages(),
+                        "response_format": {"type": "json_schema", "json_schema": {"schema": 7}},
+                    },
+                ),
+                ("/v1/chat/completions", {"model": m, "messages": [{"role": "wizard", "content": "hi"}]}),
+                ("/v1/messages", {"model": m, "max_tokens": 16, "messages": "hello"}),  # messages must be a list
+                ("/v1/responses", {"model": m, "input": 42}),
+                ("/v1/completions", {"model": m, "prompt": "x", "max_tokens": "many"}),
+            ]
+        )
         return bad[0], bad[1], False
 
     # ---- sending ---------------------------------------------------------------------------------
 
-    async def send(self, client: httpx.AsyncClient, kind: str, path: str, body, stream: bool,
-                   expect_4xx: bool = False, disconnect: bool = False) -> Result:
+    async def send(
+        self,
+        client: httpx.AsyncClient,
+        kind: str,
+        path: str,
+        body,
+        stream: bool,
+        expect_4xx: bool = False,
+        disconnect: bool = False,
+    ) -> Result:
         t0, minute = time.monotonic(), self.minute()
-        kw = {"content": body, "headers": {"content-type": "application/json"}} if isinstance(body, bytes) \
+        kw = (
+            {"content": body, "headers": {"content-type": "application/json"}}
+            if isinstance(body, bytes)
             else {"json": body}
+        )
         status, stream_error, note = 0, False, ""
         try:
             if not stream:
@@ -173,9 +229,19 @@ class Traffic:
 
     async def one(self, client: httpx.AsyncClient) -> None:
         kind = self.rng.choices(
-            ["chat", "chat_stream", "long_system", "json_schema", "forced_tool", "anthropic", "responses",
-             "malformed", "disconnect"],
-            weights=[3, 3, 4, 2, 2, 2, 2, 2, 1])[0]
+            [
+                "chat",
+                "chat_stream",
+                "long_system",
+                "json_schema",
+                "forced_tool",
+                "anthropic",
+                "responses",
+                "malformed",
+                "disconnect",
+            ],
+            weights=[3, 3, 4, 2, 2, 2, 2, 2, 1],
+        )[0]
         if kind == "disconnect":
             path, body, _ = self.chat_stream()
             body["max_tokens"] = 200
@@ -214,10 +280,16 @@ async def sampler(base: str, pid: int, cache_dir: Path, started: float, stop: as
     """Every SAMPLE_EVERY seconds: the server's /proc figures and prompt-cache bytes."""
     while True:
         m = await asyncio.to_thread(_metrics_or_empty, base)
-        out.append({"t": round(time.monotonic() - started, 1), "minute": int((time.monotonic() - started) // 60),
-                    **read_proc(pid), "prefix_cache_bytes": m.get("dflash2_mlx_prefix_cache_bytes"),
-                    "prompt_cache_disk_bytes_metric": m.get("dflash2_mlx_prompt_cache_disk_bytes"),
-                    "prompt_cache_disk_bytes": disk_bytes(cache_dir)})
+        out.append(
+            {
+                "t": round(time.monotonic() - started, 1),
+                "minute": int((time.monotonic() - started) // 60),
+                **read_proc(pid),
+                "prefix_cache_bytes": m.get("dflash2_mlx_prefix_cache_bytes"),
+                "prompt_cache_disk_bytes_metric": m.get("dflash2_mlx_prompt_cache_disk_bytes"),
+                "prompt_cache_disk_bytes": disk_bytes(cache_dir),
+            }
+        )
         with contextlib.suppress(asyncio.TimeoutError):
             await asyncio.wait_for(stop.wait(), SAMPLE_EVERY)
         if stop.is_set():
@@ -274,16 +346,22 @@ def per_minute(results: list[Result], samples: list[dict]) -> list[dict]:
         last = [s for s in samples if s["minute"] == minute]
         last = last[-1] if last else {}
         statuses = Counter(r.status for r in rs)
-        rows.append({
-            "minute": minute + 1, "requests": len(rs), "by_status": dict(sorted(statuses.items())),
-            "errors": sum(r.status != 200 for r in rs), "unexpected_errors": sum(_unexpected(r) for r in rs),
-            "p50_s": round(statistics.median(latencies), 3) if latencies else None,
-            "p99_s": round(pct(latencies, 0.99), 3) if latencies else None,
-            "rss_mb": round(last["rss_bytes"] / 2**20, 1) if "rss_bytes" in last else None,
-            "fds": last.get("fds"), "threads": last.get("threads"),
-            "prefix_cache_mb": _mb(last.get("prefix_cache_bytes")),
-            "disk_cache_mb": _mb(last.get("prompt_cache_disk_bytes")),
-        })
+        rows.append(
+            {
+                "minute": minute + 1,
+                "requests": len(rs),
+                "by_status": dict(sorted(statuses.items())),
+                "errors": sum(r.status != 200 for r in rs),
+                "unexpected_errors": sum(_unexpected(r) for r in rs),
+                "p50_s": round(statistics.median(latencies), 3) if latencies else None,
+                "p99_s": round(pct(latencies, 0.99), 3) if latencies else None,
+                "rss_mb": round(last["rss_bytes"] / 2**20, 1) if "rss_bytes" in last else None,
+                "fds": last.get("fds"),
+                "threads": last.get("threads"),
+                "prefix_cache_mb": _mb(last.get("prefix_cache_bytes")),
+                "disk_cache_mb": _mb(last.get("prompt_cache_disk_bytes")),
+            }
+        )
     return rows
 
 
@@ -302,13 +380,17 @@ def _unexpected(r: Result) -> bool:
 
 
 def markdown(rows: list[dict]) -> str:
-    head = ("| minute | requests | by status | errors | p50 s | p99 s | RSS MB | fds | threads "
-            "| prefix cache MB | disk cache MB |")
+    head = (
+        "| minute | requests | by status | errors | p50 s | p99 s | RSS MB | fds | threads "
+        "| prefix cache MB | disk cache MB |"
+    )
     lines = [head, "|" + "|".join("---" for _ in range(11)) + "|"]
     for r in rows:
         status = " ".join(f"{k}:{v}" for k, v in r["by_status"].items())
-        lines.append(f"| {r['minute']} | {r['requests']} | {status} | {r['errors']} | {r['p50_s']} | {r['p99_s']} | "
-                     f"{r['rss_mb']} | {r['fds']} | {r['threads']} | {r['prefix_cache_mb']} | {r['disk_cache_mb']} |")
+        lines.append(
+            f"| {r['minute']} | {r['requests']} | {status} | {r['errors']} | {r['p50_s']} | {r['p99_s']} | "
+            f"{r['rss_mb']} | {r['fds']} | {r['threads']} | {r['prefix_cache_mb']} | {r['disk_cache_mb']} |"
+        )
     return "\n".join(lines)
 
 
@@ -316,30 +398,54 @@ def checks(args, results: list[Result], samples: list[dict]) -> list[tuple[str, 
     """(check, passed or None when not applicable, detail)."""
     out = []
     server_errors = [r for r in results if r.status >= 500 or r.stream_error]
-    out.append(("no 5xx responses", not server_errors,
-                f"{len(server_errors)} of {len(results)}"
-                + (f"; first: {server_errors[0].note}" if server_errors else "")))
+    out.append(
+        (
+            "no 5xx responses",
+            not server_errors,
+            f"{len(server_errors)} of {len(results)}" + (f"; first: {server_errors[0].note}" if server_errors else ""),
+        )
+    )
     malformed = [r for r in results if r.expect_4xx]
     wrong = [r for r in malformed if not 400 <= r.status < 500]
-    out.append(("every malformed request answered 4xx", bool(malformed) and not wrong,
-                f"{len(malformed) - len(wrong)} of {len(malformed)}"))
+    out.append(
+        (
+            "every malformed request answered 4xx",
+            bool(malformed) and not wrong,
+            f"{len(malformed) - len(wrong)} of {len(malformed)}",
+        )
+    )
     other = [r for r in results if _unexpected(r) and r not in server_errors]
-    out.append(("no other unexpected failures (connection errors, 4xx to good requests)", not other,
-                f"{len(other)}" + (f"; first: {other[0].kind} {other[0].status} {other[0].note}" if other else "")))
+    out.append(
+        (
+            "no other unexpected failures (connection errors, 4xx to good requests)",
+            not other,
+            f"{len(other)}" + (f"; first: {other[0].kind} {other[0].status} {other[0].note}" if other else ""),
+        )
+    )
     after5 = [s for s in samples if s["t"] >= 300 and "rss_bytes" in s]
     if args.minutes >= 10 and after5:
         base, end = after5[0]["rss_bytes"], after5[-1]["rss_bytes"]
         growth = end / base - 1
-        out.append(("resident memory after minute 5 grows by at most 5%", growth <= 0.05,
-                    f"{base / 2**20:.0f} MB -> {end / 2**20:.0f} MB ({growth:+.1%})"))
+        out.append(
+            (
+                "resident memory after minute 5 grows by at most 5%",
+                growth <= 0.05,
+                f"{base / 2**20:.0f} MB -> {end / 2**20:.0f} MB ({growth:+.1%})",
+            )
+        )
     else:
         out.append(("resident memory after minute 5 grows by at most 5%", None, "needs --minutes 10 or more"))
     memory = max((s["prefix_cache_bytes"] or 0 for s in samples), default=0)
     disk = max((s["prompt_cache_disk_bytes"] for s in samples), default=0)
     memory_budget, disk_budget = args.prefix_cache_gb * 2**30, args.prompt_cache_gb * 2**30  # as serve reads them
-    out.append(("prompt-cache bytes within budgets", memory <= memory_budget and disk <= disk_budget,
-                f"memory max {memory / 2**20:.1f} MB of {memory_budget / 2**20:.1f} MB; "
-                f"disk max {disk / 2**20:.1f} MB of {disk_budget / 2**20:.1f} MB"))
+    out.append(
+        (
+            "prompt-cache bytes within budgets",
+            memory <= memory_budget and disk <= disk_budget,
+            f"memory max {memory / 2**20:.1f} MB of {memory_budget / 2**20:.1f} MB; "
+            f"disk max {disk / 2**20:.1f} MB of {disk_budget / 2**20:.1f} MB",
+        )
+    )
     return out
 
 
@@ -358,8 +464,9 @@ def main() -> int:
     ap.add_argument("--clients", type=int, default=4, help="concurrent client loops")
     ap.add_argument("--max-concurrent", type=int, default=2, help="the server's --max-concurrent")
     ap.add_argument("--max-queue", type=int, default=4, help="the server's --max-queue")
-    ap.add_argument("--burst-every", type=float, default=60.0,
-                    help="seconds between bursts above the server's capacity")
+    ap.add_argument(
+        "--burst-every", type=float, default=60.0, help="seconds between bursts above the server's capacity"
+    )
     ap.add_argument("--prompt-cache-gb", type=float, default=0.02, help="the server's disk prompt-cache budget")
     ap.add_argument("--prefix-cache-gb", type=float, default=0.02, help="the server's in-memory prefix-cache budget")
     ap.add_argument("--request-timeout", type=float, default=120.0)
@@ -373,9 +480,20 @@ def main() -> int:
     with tempfile.TemporaryDirectory(prefix="dflash2-soak-") as tmp:
         cache_dir = Path(tmp) / "prompt-cache"
         serve_args = ["--model", target] + (["--draft-model", drafter] if drafter else ["--no-draft"])
-        serve_args += ["--max-concurrent", str(args.max_concurrent), "--max-queue", str(args.max_queue),
-                       "--prompt-cache-dir", str(cache_dir), "--prompt-cache-gb", str(args.prompt_cache_gb),
-                       "--prefix-cache-gb", str(args.prefix_cache_gb), "--request-timeout", str(args.request_timeout)]
+        serve_args += [
+            "--max-concurrent",
+            str(args.max_concurrent),
+            "--max-queue",
+            str(args.max_queue),
+            "--prompt-cache-dir",
+            str(cache_dir),
+            "--prompt-cache-gb",
+            str(args.prompt_cache_gb),
+            "--prefix-cache-gb",
+            str(args.prefix_cache_gb),
+            "--request-timeout",
+            str(args.request_timeout),
+        ]
         log = Path(tmp) / "server.log"
         with running_server(serve_args, log, wait=300) as srv:  # nice -n 19 execs the server: same pid
             results, samples = asyncio.run(run_traffic(args, srv.base, model, srv.proc.pid, cache_dir))
@@ -384,15 +502,25 @@ def main() -> int:
     rows = per_minute(results, samples)
     verdicts = checks(args, results, samples)
     tracebacks = server_log.count("Traceback")
-    verdicts.append(("server exited cleanly on SIGTERM, no traceback in its log", exit_code == 0 and not tracebacks,
-                     f"exit {exit_code}, {tracebacks} tracebacks"))
-    report = {"setup": {k: v for k, v in vars(args).items()}, "target": target, "drafter": drafter,
-              "minutes": rows, "samples": samples, "by_kind": _by_kind(results),
-              "checks": [{"check": c, "passed": p, "detail": d} for c, p, d in verdicts],
-              "slowest": [asdict(r) for r in sorted(results, key=lambda r: -r.seconds)[:10]],
-              "failures": [asdict(r) for r in results
-                           if _unexpected(r) or (r.expect_4xx and not 400 <= r.status < 500)][:50],
-              "server_log_tail": server_log[-3000:] if tracebacks or exit_code != 0 else ""}
+    verdicts.append(
+        (
+            "server exited cleanly on SIGTERM, no traceback in its log",
+            exit_code == 0 and not tracebacks,
+            f"exit {exit_code}, {tracebacks} tracebacks",
+        )
+    )
+    report = {
+        "setup": {k: v for k, v in vars(args).items()},
+        "target": target,
+        "drafter": drafter,
+        "minutes": rows,
+        "samples": samples,
+        "by_kind": _by_kind(results),
+        "checks": [{"check": c, "passed": p, "detail": d} for c, p, d in verdicts],
+        "slowest": [asdict(r) for r in sorted(results, key=lambda r: -r.seconds)[:10]],
+        "failures": [asdict(r) for r in results if _unexpected(r) or (r.expect_4xx and not 400 <= r.status < 500)][:50],
+        "server_log_tail": server_log[-3000:] if tracebacks or exit_code != 0 else "",
+    }
     Path(args.out).write_text(json.dumps(report, indent=2))
     print(markdown(rows))
     print()

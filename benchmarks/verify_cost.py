@@ -77,11 +77,21 @@ def main(argv=None) -> int:
     for b in blocks:
         ratio, fastest = statistics.median(ratios[b]), min(times[b]) / fastest_one
         spread = f"{min(ratios[b]):.2f}..{max(ratios[b]):.2f}"
-        print(f"{b:>3} {1000 * min(times[b]):>9.1f} {1000 * statistics.median(times[b]):>12.1f} {ratio:>17.2f} "
-              f"{spread:>12} {fastest:>8.2f}")
-        rows.append({"block": b, "ms_min": 1000 * min(times[b]), "ms_median": 1000 * statistics.median(times[b]),
-                     "paired_ratio": ratio, "paired_min": min(ratios[b]), "paired_max": max(ratios[b]),
-                     "min_over_min": fastest})
+        print(
+            f"{b:>3} {1000 * min(times[b]):>9.1f} {1000 * statistics.median(times[b]):>12.1f} {ratio:>17.2f} "
+            f"{spread:>12} {fastest:>8.2f}"
+        )
+        rows.append(
+            {
+                "block": b,
+                "ms_min": 1000 * min(times[b]),
+                "ms_median": 1000 * statistics.median(times[b]),
+                "paired_ratio": ratio,
+                "paired_min": min(ratios[b]),
+                "paired_max": max(ratios[b]),
+                "min_over_min": fastest,
+            }
+        )
     if args.json:
         args.json.write_text(json.dumps({"settings": vars(args) | {"json": str(args.json)}, "rows": rows}, indent=2))
     return 0

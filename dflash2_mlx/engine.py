@@ -196,14 +196,21 @@ class _Output:
         if self.finished:
             text += self.stops.flush() if not self.stops.hit else ""
         return GenerationEvent(
-            kept, text, accepted, drafted, finish_reason=self.finished, elapsed=now - self.t_start,
+            kept,
+            text,
+            accepted,
+            drafted,
+            finish_reason=self.finished,
+            elapsed=now - self.t_start,
             logprobs=logprobs[: len(kept)] if logprobs is not None else None,
         )
 
     def cancel(self) -> GenerationEvent:
         """The final event of a cancelled request (whatever text was held back is dropped)."""
         self.finished = "cancelled"
-        return self.finish(GenerationEvent([], "", finish_reason="cancelled", elapsed=time.perf_counter() - self.t_start))
+        return self.finish(
+            GenerationEvent([], "", finish_reason="cancelled", elapsed=time.perf_counter() - self.t_start)
+        )
 
     def finish(self, event: GenerationEvent) -> GenerationEvent:
         s = self.stats
@@ -220,8 +227,7 @@ def _check_prompt(prompt: Sequence[int], runner: TargetRunner, settings: Generat
         raise ValueError("the prompt is empty: give at least one token")
     if runner.max_context and len(prompt) >= runner.max_context:
         raise PromptTooLong(
-            f"the prompt has {len(prompt)} tokens but the model's context is {runner.max_context}; "
-            "shorten the prompt"
+            f"the prompt has {len(prompt)} tokens but the model's context is {runner.max_context}; shorten the prompt"
         )
     room = (runner.max_context - len(prompt)) if runner.max_context else settings.max_tokens
     return min(settings.max_tokens, room)
@@ -281,17 +287,23 @@ def _prefill_chunks(runner, prompt, settings, drafter, prefix_cache, save_at):
                 # rows before `point - window` can never be seen by a block from `point` on
                 first = pos if window is None else max(pos, point - window)
                 context.skip(first - context.offset)
-                drafter.absorb(features[:, first - pos:], context)
-            mx.eval([c.state for c in cache.layers], [a for a in [logits, *(context.keys if context else [])] if a is not None])
+                drafter.absorb(features[:, first - pos :], context)
+            mx.eval(
+                [c.state for c in cache.layers],
+                [a for a in [logits, *(context.keys if context else [])] if a is not None],
+            )
             pos = end
             if pos < total:
                 yield
         if prefix_cache is not None:
-            prefix_cache.store(PrefixEntry(
-                tuple(prompt[:point]), cache.snapshot(),
-                context.copy() if context is not None else None,
-                logits[:, -1] if point == total else None,
-            ))
+            prefix_cache.store(
+                PrefixEntry(
+                    tuple(prompt[:point]),
+                    cache.snapshot(),
+                    context.copy() if context is not None else None,
+                    logits[:, -1] if point == total else None,
+                )
+            )
     return logits.reshape(1, -1), cache, context, cached
 
 
@@ -300,8 +312,12 @@ def _check_cancel(settings: GenerationSettings) -> None:
         raise Cancelled()
 
 
-def _pick(logits: mx.array, history: Union[list[int], mx.array], settings: GenerationSettings,
-          grammar: Optional[GrammarState] = None) -> mx.array:
+def _pick(
+    logits: mx.array,
+    history: Union[list[int], mx.array],
+    settings: GenerationSettings,
+    grammar: Optional[GrammarState] = None,
+) -> mx.array:
     """The next token from one row of logits [1, V], exactly as plain decoding picks it."""
     if settings.logits_processors:
         if not isinstance(history, mx.array):
@@ -385,8 +401,11 @@ def generate_autoregressive(
         ahead = None
         if len(history) - len(prompt) + 1 < settings.max_tokens:
             logits, _ = runner(token.reshape(1, 1).astype(mx.int32), cache)
-            lazy_history = mx.concatenate([mx.array(history, dtype=mx.int32), token.reshape(1).astype(mx.int32)]) \
-                if settings.logits_processors else None
+            lazy_history = (
+                mx.concatenate([mx.array(history, dtype=mx.int32), token.reshape(1).astype(mx.int32)])
+                if settings.logits_processors
+                else None
+            )
             if grammar is not None:  # the next mask needs this token: read it while the step computes
                 mx.async_eval(logits)
                 grammar.commit([int(token.item())])
@@ -505,7 +524,8 @@ def speculative_steps(
         elif cfg.is_dflash2:
             uniforms = mx.random.uniform(shape=(1, bs - 1))
             draft, candidates, q = drafter.candidate_selector.sampled(
-                hidden, draft_logits, block[:, 0], sampling.temperature, uniforms)
+                hidden, draft_logits, block[:, 0], sampling.temperature, uniforms
+            )
             draft, candidates, q = draft[0], candidates[0], q[0]
         elif greedy:
             draft = mx.argmax(draft_logits[0], axis=-1)
@@ -674,4 +694,5 @@ def _with_max(settings: GenerationSettings, max_tokens: int) -> GenerationSettin
     if max_tokens == settings.max_tokens:
         return settings
     from dataclasses import replace
+
     return replace(settings, max_tokens=max_tokens)

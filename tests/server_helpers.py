@@ -121,8 +121,9 @@ def serve_command(*args: str) -> list[str]:
 
 
 @contextlib.contextmanager
-def running_server(args: list[str], log: Path, port: Optional[int] = None, wait: float = 90.0,
-                   nice: bool = True) -> Iterator[ServerProcess]:
+def running_server(
+    args: list[str], log: Path, port: Optional[int] = None, wait: float = 90.0, nice: bool = True
+) -> Iterator[ServerProcess]:
     """A `dflash2-mlx serve` process (stderr to ``log``), yielded once /health answers 200."""
     port = port or free_port()
     cmd = serve_command(*args, "--host", "127.0.0.1", "--port", str(port))
@@ -162,6 +163,6 @@ def labelled(base: str, name: str) -> dict[str, float]:
     out = {}
     for line in httpx.get(base + "/metrics", timeout=10).text.splitlines():
         if line.startswith(name + "{"):
-            labels, _, value = line[len(name):].rpartition(" ")
+            labels, _, value = line[len(name) :].rpartition(" ")
             out[labels] = float(value)
     return out

@@ -121,7 +121,7 @@ def test_no_import_cycle():
         path.append(node)
         for nxt in sorted(graph.get(node, ())):
             if state.get(nxt) == 1:
-                cycles.append(path[path.index(nxt):] + [nxt])
+                cycles.append(path[path.index(nxt) :] + [nxt])
             elif nxt not in state:
                 visit(nxt)
         path.pop()

@@ -65,7 +65,9 @@ def test_each_sequence_gets_its_solo_logits_features_and_cache(runner, state_pat
     record = "gdn" in runner.kinds
     solo_caches, batch_caches = _prefilled(runner, prompts), _prefilled(runner, prompts)
     solo = [verify_one(runner, VerifyRequest(mx.array([b]), c, TAPS, record)) for b, c in zip(blocks, solo_caches)]
-    batched = verify_batch(runner, [VerifyRequest(mx.array([b]), c, TAPS, record) for b, c in zip(blocks, batch_caches)])
+    batched = verify_batch(
+        runner, [VerifyRequest(mx.array([b]), c, TAPS, record) for b, c in zip(blocks, batch_caches)]
+    )
     for block, s, b, solo_cache, batch_cache in zip(blocks, solo, batched, solo_caches, batch_caches):
         assert b.logits.shape == s.logits.shape == (1, len(block), tiny.VOCAB)
         assert b.features.shape == s.features.shape
@@ -85,7 +87,9 @@ def test_rollback_after_a_batched_pass_equals_solo_rollback(runner, state_path, 
     keeps[seed % 3] = len(blocks[seed % 3])  # one sequence accepts its whole block: no rollback
     record = "gdn" in runner.kinds
     solo_caches, batch_caches = _prefilled(runner, prompts), _prefilled(runner, prompts)
-    batched = verify_batch(runner, [VerifyRequest(mx.array([b]), c, TAPS, record) for b, c in zip(blocks, batch_caches)])
+    batched = verify_batch(
+        runner, [VerifyRequest(mx.array([b]), c, TAPS, record) for b, c in zip(blocks, batch_caches)]
+    )
     for block, keep, result, solo_cache, batch_cache in zip(blocks, keeps, batched, solo_caches, batch_caches):
         solo = verify_one(runner, VerifyRequest(mx.array([block]), solo_cache, TAPS, record))
         solo_cache.rollback(solo.recorded or [], fed=len(block), keep=keep)
@@ -126,8 +130,11 @@ def test_every_sequence_decodes_its_solo_greedy_output_under_batched_verify(kind
     setups = []
     for prompt_len, block, max_tokens in ((3, 8, 60), (29, 5, 45), (11, 16, 140), (52, 3, 30)):
         prompt = [rng.randrange(256) for _ in range(prompt_len)]
-        plain = [t for e in generate_autoregressive(runner, prompt, GenerationSettings(max_tokens=max_tokens))
-                 for t in e.tokens]
+        plain = [
+            t
+            for e in generate_autoregressive(runner, prompt, GenerationSettings(max_tokens=max_tokens))
+            for t in e.tokens
+        ]
         settings = GenerationSettings(max_tokens=max_tokens, block_size=block)
         setups.append((prompt, plain, settings, _forcing(prompt_len, block, max_tokens)))
     solo = []
@@ -135,8 +142,10 @@ def test_every_sequence_decodes_its_solo_greedy_output_under_batched_verify(kind
         drafter = _oracle(cfg, prompt + plain, corrupt)
         solo.append([t for e in generate_speculative(runner, drafter, prompt, settings) for t in e.tokens])
         assert solo[-1] == plain
-    loops = [speculative_steps(runner, _oracle(cfg, prompt + plain, corrupt), prompt, settings)
-             for prompt, plain, settings, corrupt in setups]
+    loops = [
+        speculative_steps(runner, _oracle(cfg, prompt + plain, corrupt), prompt, settings)
+        for prompt, plain, settings, corrupt in setups
+    ]
     tokens, accepted = defaultdict(list), defaultdict(set)
     for i, event in run_together(runner, loops, batch=True):
         tokens[i] += event.tokens
@@ -160,8 +169,10 @@ def test_a_batch_really_is_one_target_pass(hybrid_target):
 
     counting = Counting(model)
     prompts = [[5, 6, 7], [1] * 20, [9, 8]]
-    loops = [speculative_steps(runner, _oracle(cfg, p, set()), p, GenerationSettings(max_tokens=20, block_size=4))
-             for p in prompts]
+    loops = [
+        speculative_steps(runner, _oracle(cfg, p, set()), p, GenerationSettings(max_tokens=20, block_size=4))
+        for p in prompts
+    ]
     first = step_together(counting, loops)  # prefill and the first token: no verify yet
     assert all(s.event is not None and s.event.accepted is None for s in first)
     calls.clear()
@@ -175,8 +186,10 @@ def test_requests_of_different_drafters_are_refused(hybrid_target):
     runner = TargetRunner(model)
     a, b = _prefilled(runner, [[1, 2], [3, 4]])
     with pytest.raises(ValueError, match="same taps"):
-        verify_batch(runner, [VerifyRequest(mx.array([[1, 2]]), a, [0, 2], True),
-                              VerifyRequest(mx.array([[1, 2]]), b, [1], True)])
+        verify_batch(
+            runner,
+            [VerifyRequest(mx.array([[1, 2]]), a, [0, 2], True), VerifyRequest(mx.array([[1, 2]]), b, [1], True)],
+        )
 
 
 def test_a_second_verify_request_within_a_step_is_answered_alone(hybrid_target):
@@ -215,8 +228,10 @@ def test_sampling_under_batched_verify_draws_what_taking_turns_draws(kind, hybri
     dcfg = tiny.drafter_config(cfg, version=2, block_size=8, taps=TAPS)
     drafter = tiny.build_drafter(dcfg)
     prompts = [[3, 1, 4], [1, 5, 9, 2, 6] * 4, [5, 3]]
-    settings = [GenerationSettings(max_tokens=n, block_size=b, sampling=SamplingSettings(temperature=0.9))
-                for n, b in ((30, 4), (22, 6), (26, 3))]
+    settings = [
+        GenerationSettings(max_tokens=n, block_size=b, sampling=SamplingSettings(temperature=0.9))
+        for n, b in ((30, 4), (22, 6), (26, 3))
+    ]
     outputs = {}
     for batch in (True, False):
         mx.random.seed(11)
@@ -236,8 +251,9 @@ def test_a_plain_step_batches_with_blocks(hybrid_target):
     runner = TargetRunner(model)
     prompts, blocks, records = [[1, 2, 3], [4] * 30, [7, 7]], [[5], [6, 1, 2, 3, 4, 5], [9, 9, 9]], [False, True, True]
     solo_caches, batch_caches = _prefilled(runner, prompts), _prefilled(runner, prompts)
-    batched = verify_batch(runner, [VerifyRequest(mx.array([b]), c, TAPS, r)
-                                    for b, c, r in zip(blocks, batch_caches, records)])
+    batched = verify_batch(
+        runner, [VerifyRequest(mx.array([b]), c, TAPS, r) for b, c, r in zip(blocks, batch_caches, records)]
+    )
     for block, record, result, solo_cache, batch_cache in zip(blocks, records, batched, solo_caches, batch_caches):
         solo = verify_one(runner, VerifyRequest(mx.array([block]), solo_cache, TAPS, record))
         assert (result.recorded is None) == (solo.recorded is None) == (not record)

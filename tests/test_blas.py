@@ -29,7 +29,6 @@ print("\\nPROBE " + json.dumps({"loaded": blas.loaded, "path": blas.library_path
 """
 
 
-
 def system_openblas_present() -> bool:
     from dflash2_mlx.backend.blas import CANDIDATES
 
@@ -49,11 +48,16 @@ linux_x86_64 = pytest.mark.skipif(
 
 
 def probe(blas: str, **env):
-    out = subprocess.run([sys.executable, "-c", PROBE], capture_output=True, text=True, timeout=120,
-                         env={**os.environ, "DFLASH2_MLX_BLAS": blas, **env})
+    out = subprocess.run(
+        [sys.executable, "-c", PROBE],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, "DFLASH2_MLX_BLAS": blas, **env},
+    )
     assert out.returncode == 0, out.stderr
     line = next(x for x in out.stdout.splitlines() if x.startswith("PROBE "))
-    return json.loads(line[len("PROBE "):]), out.stdout
+    return json.loads(line[len("PROBE ") :]), out.stdout
 
 
 @linux_x86_64
@@ -92,9 +96,24 @@ def test_an_unknown_blas_choice_is_named_in_the_status():
 def generate(checkpoints, blas: str):
     target, drafter = checkpoints
     return subprocess.run(
-        [sys.executable, "-m", "dflash2_mlx", "generate", "--model", str(target), "--draft-model", str(drafter),
-         "--prompt", "def f(x):", "--max-tokens", "4"],
-        capture_output=True, text=True, timeout=120, env={**os.environ, "DFLASH2_MLX_BLAS": blas},
+        [
+            sys.executable,
+            "-m",
+            "dflash2_mlx",
+            "generate",
+            "--model",
+            str(target),
+            "--draft-model",
+            str(drafter),
+            "--prompt",
+            "def f(x):",
+            "--max-tokens",
+            "4",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, "DFLASH2_MLX_BLAS": blas},
     )
 
 

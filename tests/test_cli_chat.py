@@ -14,8 +14,10 @@ import pytest
 
 pexpect = pytest.importorskip("pexpect")
 
-STATS = re.compile(r"(\d+) tokens · [\d.]+ tok/s · acceptance [\d.]+ · first token [\d.]+ m?s · "
-                   r"prompt (\d+) \((\d+) prefilled, (\d+) cached\)")
+STATS = re.compile(
+    r"(\d+) tokens · [\d.]+ tok/s · acceptance [\d.]+ · first token [\d.]+ m?s · "
+    r"prompt (\d+) \((\d+) prefilled, (\d+) cached\)"
+)
 ANSI = re.compile(r"\x1b\[[0-9;?]*[A-Za-z]")
 
 
@@ -27,8 +29,15 @@ def _as_a_terminal_starts_it():
 
 def spawn(*args, timeout=90):
     env = dict(os.environ, TERM="xterm", COLUMNS="120", LINES="40", PYTHONUNBUFFERED="1")
-    child = pexpect.spawn(sys.executable, ["-m", "dflash2_mlx", "chat", *args], env=env, encoding="utf-8",
-                          timeout=timeout, dimensions=(40, 120), preexec_fn=_as_a_terminal_starts_it)
+    child = pexpect.spawn(
+        sys.executable,
+        ["-m", "dflash2_mlx", "chat", *args],
+        env=env,
+        encoding="utf-8",
+        timeout=timeout,
+        dimensions=(40, 120),
+        preexec_fn=_as_a_terminal_starts_it,
+    )
     child.expect_exact(">>> ")
     return child
 
@@ -248,13 +257,26 @@ def test_chat_reuses_message_boundaries_with_a_thinking_template(tiny_checkpoint
     target, drafter = load_target(str(qwen)), load_drafter(str(drafter_dir))
     tok = target.tokenizer
     out = io.StringIO()
-    session = ChatSession(target, drafter, GenerationSettings(max_tokens=12, stop_token_ids=sorted(tok.eos_token_ids)),
-                          Console(file=out, width=100), None, thinking, False, 2**30, "qwen-style")
+    session = ChatSession(
+        target,
+        drafter,
+        GenerationSettings(max_tokens=12, stop_token_ids=sorted(tok.eos_token_ids)),
+        Console(file=out, width=100),
+        None,
+        thinking,
+        False,
+        2**30,
+        "qwen-style",
+    )
     first = session.answer("hello")
     second = session.answer("and then?")
     kwargs = {"enable_thinking": thinking}
-    user1 = tok.apply_chat_template([{"role": "user", "content": "hello"}], add_generation_prompt=False, tokenize=True, **kwargs)
-    prompt1 = tok.apply_chat_template([{"role": "user", "content": "hello"}], add_generation_prompt=True, tokenize=True, **kwargs)
+    user1 = tok.apply_chat_template(
+        [{"role": "user", "content": "hello"}], add_generation_prompt=False, tokenize=True, **kwargs
+    )
+    prompt1 = tok.apply_chat_template(
+        [{"role": "user", "content": "hello"}], add_generation_prompt=True, tokenize=True, **kwargs
+    )
     assert first.cached_tokens == 0 and first.prompt_tokens == len(prompt1)
     # turn 2 does not extend turn 1's prompt (the think block), but it extends the boundary after "hello"
     assert second.cached_tokens == len(user1) < len(prompt1)
@@ -294,9 +316,12 @@ def test_reasoning_is_dimmed_and_collapsible():
 
 def test_json_schema_and_the_schema_command_force_answers_into_a_schema(tmp_path):
     jsonschema = pytest.importorskip("jsonschema")
-    schema = {"type": "object", "properties": {"ok": {"type": "boolean"}, "n": {"type": "integer", "minimum": 0,
-                                                                                  "maximum": 9}},
-              "required": ["ok", "n"], "additionalProperties": False}
+    schema = {
+        "type": "object",
+        "properties": {"ok": {"type": "boolean"}, "n": {"type": "integer", "minimum": 0, "maximum": 9}},
+        "required": ["ok", "n"],
+        "additionalProperties": False,
+    }
     path = tmp_path / "schema.json"
     path.write_text(json.dumps(schema))
     child = spawn("--max-tokens", "40", "--json-schema", str(path))

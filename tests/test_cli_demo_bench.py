@@ -37,10 +37,14 @@ def svg_screen(path) -> list[str]:
 def test_svg_screen_sees_a_space_lost_at_a_run_boundary(tmp_path):
     """The check below can fail: two runs "not" + " isinstance" read "notisinstance" unless the
     SVG keeps whitespace."""
-    runs = ('<text x="0" y="20" textLength="36.6">not</text>'
-            '<text x="36.6" y="20" textLength="134.2">&#160;isinstance</text>')
-    for root, seen in (('<svg xmlns="http://www.w3.org/2000/svg">', "notisinstance"),
-                       ('<svg xml:space="preserve" xmlns="http://www.w3.org/2000/svg">', "not isinstance")):
+    runs = (
+        '<text x="0" y="20" textLength="36.6">not</text>'
+        '<text x="36.6" y="20" textLength="134.2">&#160;isinstance</text>'
+    )
+    for root, seen in (
+        ('<svg xmlns="http://www.w3.org/2000/svg">', "notisinstance"),
+        ('<svg xml:space="preserve" xmlns="http://www.w3.org/2000/svg">', "not isinstance"),
+    ):
         (tmp_path / "a.svg").write_text(root + runs + "</svg>")
         assert svg_screen(tmp_path / "a.svg")[0].rstrip() == seen
 
@@ -53,7 +57,11 @@ def test_demo_side_by_side_in_a_terminal_and_export(embedded_pair, tmp_path):
     child = pexpect.spawn(
         sys.executable,
         ["-m", "dflash2_mlx", "demo", "--max-tokens", "40", "--block-size", "4", "--height", "6", "--export", str(svg)],
-        env=env, encoding="utf-8", timeout=120, dimensions=(40, 120))
+        env=env,
+        encoding="utf-8",
+        timeout=120,
+        dimensions=(40, 120),
+    )
     try:
         child.expect(pexpect.EOF)
     finally:
@@ -87,9 +95,30 @@ def test_bench_json_contract(tiny_checkpoints, tmp_path):
     prompts.write_text("\n".join(json.dumps(l) for l in lines) + "\n\n")
     png = tmp_path / "bench.png"
     r = subprocess.run(
-        [sys.executable, "-m", "dflash2_mlx", "bench", "--model", str(target), "--draft-model", str(drafter),
-         "--prompts", str(prompts), "--max-tokens", "12", "--json", "--plot", str(png), "--block-size", "4", "--profile"],
-        capture_output=True, text=True, timeout=120)
+        [
+            sys.executable,
+            "-m",
+            "dflash2_mlx",
+            "bench",
+            "--model",
+            str(target),
+            "--draft-model",
+            str(drafter),
+            "--prompts",
+            str(prompts),
+            "--max-tokens",
+            "12",
+            "--json",
+            "--plot",
+            str(png),
+            "--block-size",
+            "4",
+            "--profile",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert r.returncode == 0, r.stderr
     out = json.loads(r.stdout)  # exactly one JSON object on stdout
     profile = out.pop("profile")  # --profile adds where a cycle's time goes
@@ -132,7 +161,9 @@ def test_bench_library_order_templates_and_pooled_acceptance(tiny_checkpoints):
 
     order = []
     settings = GenerationSettings(max_tokens=10, block_size=4, stop_token_ids=sorted(tok.eos_token_ids))
-    res = bench.run_bench(target, drafter, lines, settings, encode, on_prompt=lambda i, r: order.append((i, r["prompt"])))
+    res = bench.run_bench(
+        target, drafter, lines, settings, encode, on_prompt=lambda i, r: order.append((i, r["prompt"]))
+    )
     assert order == [(0, "a"), (1, "bb"), (2, "ccc dd")]
     templated = tok.apply_chat_template(lines[1]["messages"], add_generation_prompt=True, tokenize=True)
     assert seen[1] == list(templated) and [d["prompt_tokens"] for d in res.details] == [len(s) for s in seen]
@@ -199,8 +230,12 @@ def test_doctor_self_test_and_demo_on_the_embedded_pair(embedded_pair):
     assert r.returncode == 0, r.stderr
     line = next(l for l in r.stdout.splitlines() if l.startswith("self-test"))
     assert "lossless" in line and "acceptance length" in line
-    r = subprocess.run([sys.executable, "-m", "dflash2_mlx", "demo", "--max-tokens", "32", "--replay-speed", "100"],
-                       capture_output=True, text=True, timeout=120)
+    r = subprocess.run(
+        [sys.executable, "-m", "dflash2_mlx", "demo", "--max-tokens", "32", "--replay-speed", "100"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert r.returncode == 0, r.stderr
     out = " ".join(r.stdout.split())  # rich wraps at 80 columns when not on a terminal
     assert "speedup" in out and "outputs identical: yes" in out

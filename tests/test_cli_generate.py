@@ -17,9 +17,7 @@ import pytest
 
 
 def run(*args, timeout=120):
-    return subprocess.run(
-        [sys.executable, "-m", "dflash2_mlx", *args], capture_output=True, text=True, timeout=timeout
-    )
+    return subprocess.run([sys.executable, "-m", "dflash2_mlx", *args], capture_output=True, text=True, timeout=timeout)
 
 
 def test_generate_json_speculative_equals_no_draft(tiny_checkpoints):
@@ -31,8 +29,17 @@ def test_generate_json_speculative_equals_no_draft(tiny_checkpoints):
     assert plain.returncode == 0, plain.stderr
     s, p = json.loads(spec.stdout), json.loads(plain.stdout)  # exactly one JSON object on stdout
     assert s["tokens"] == p["tokens"] and s["text"] == p["text"]
-    for key in ("text", "tokens", "prompt_tokens", "generation_tokens", "verify_steps",
-                "acceptance_length", "decode_tps", "prefill_tps", "peak_memory_gb"):
+    for key in (
+        "text",
+        "tokens",
+        "prompt_tokens",
+        "generation_tokens",
+        "verify_steps",
+        "acceptance_length",
+        "decode_tps",
+        "prefill_tps",
+        "peak_memory_gb",
+    ):
         assert key in s
     assert s["generation_tokens"] == len(s["tokens"]) <= 24
     controller = s["controller"]  # auto by default: speculative cycles, plain steps and probes
@@ -46,8 +53,15 @@ def test_generate_json_speculative_equals_no_draft(tiny_checkpoints):
 
 
 def test_generate_without_model_runs_the_embedded_pair(embedded_pair):
-    common = ["generate", "--ignore-chat-template", "--prompt", "class Parser:\n    def __init__(self",
-              "--max-tokens", "48", "--json"]
+    common = [
+        "generate",
+        "--ignore-chat-template",
+        "--prompt",
+        "class Parser:\n    def __init__(self",
+        "--max-tokens",
+        "48",
+        "--json",
+    ]
     spec, plain = run(*common, "--block-size", "8"), run(*common, "--no-draft")
     assert spec.returncode == 0 and plain.returncode == 0, spec.stderr + plain.stderr
     s, p = json.loads(spec.stdout), json.loads(plain.stdout)
@@ -58,8 +72,20 @@ def test_generate_without_model_runs_the_embedded_pair(embedded_pair):
 
 def test_generate_streams_text_and_a_summary_line(tiny_checkpoints):
     target, drafter = tiny_checkpoints
-    out = run("generate", "--model", str(target), "--draft-model", str(drafter), "--prompt", "hello",
-              "--max-tokens", "8", "--ignore-chat-template", "--block-size", "4")
+    out = run(
+        "generate",
+        "--model",
+        str(target),
+        "--draft-model",
+        str(drafter),
+        "--prompt",
+        "hello",
+        "--max-tokens",
+        "8",
+        "--ignore-chat-template",
+        "--block-size",
+        "4",
+    )
     assert out.returncode == 0, out.stderr
     assert "tok/s" in out.stderr and "acceptance length" in out.stderr
 
@@ -111,8 +137,12 @@ def test_bad_input_ends_in_one_line(tiny_checkpoints, tmp_path, run_in_process):
     assert "does not exist" in _one_line_error(cli(*base, "--model", str(tmp_path / "nope"), "--no-draft"))
     assert "--draft-model" in _one_line_error(cli(*base, "--model", str(target)))
     assert "drafter" in _one_line_error(cli(*base, "--model", str(drafter), "--no-draft"))
-    assert "block-size" in _one_line_error(cli(*base, "--model", str(target), "--draft-model", str(drafter), "--block-size", "9"))
-    assert "auto or a whole number" in _one_line_error(cli(*base, "--model", str(target), "--draft-model", str(drafter), "--block-size", "x"))
+    assert "block-size" in _one_line_error(
+        cli(*base, "--model", str(target), "--draft-model", str(drafter), "--block-size", "9")
+    )
+    assert "auto or a whole number" in _one_line_error(
+        cli(*base, "--model", str(target), "--draft-model", str(drafter), "--block-size", "x")
+    )
     assert "top_p" in _one_line_error(cli(*base, "--model", str(target), "--no-draft", "--top-p", "0"))
     assert "max-tokens" in _one_line_error(cli(*base, "--model", str(target), "--no-draft", "--max-tokens", "0"))
     # a drafter made for another target (hidden size 32 instead of 64)
@@ -130,8 +160,9 @@ def test_bad_input_ends_in_one_line(tiny_checkpoints, tmp_path, run_in_process):
     weights.write_bytes(weights.read_bytes()[: weights.stat().st_size // 2])
     assert "corrupt" in _one_line_error(cli(*base, "--model", str(target), "--draft-model", str(broken)))
     # a prompt longer than the context (the tiny target's context is 4096 tokens)
-    assert "context" in _one_line_error(cli("generate", "--model", str(target), "--no-draft", "--ignore-chat-template",
-                                            "--prompt", "ab" * 2100))
+    assert "context" in _one_line_error(
+        cli("generate", "--model", str(target), "--no-draft", "--ignore-chat-template", "--prompt", "ab" * 2100)
+    )
 
 
 def test_doctor_reports_backend_blas_and_kernels():
@@ -142,18 +173,33 @@ def test_doctor_reports_backend_blas_and_kernels():
         assert key in out.stdout
 
 
-BOUNDED_SCHEMA = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 10},
-                                                   "kind": {"enum": ["fn", "class"]},
-                                                   "lines": {"type": "integer", "minimum": 1, "maximum": 99}},
-                  "required": ["name", "kind", "lines"], "additionalProperties": False}
+BOUNDED_SCHEMA = {
+    "type": "object",
+    "properties": {
+        "name": {"type": "string", "maxLength": 10},
+        "kind": {"enum": ["fn", "class"]},
+        "lines": {"type": "integer", "minimum": 1, "maximum": 99},
+    },
+    "required": ["name", "kind", "lines"],
+    "additionalProperties": False,
+}
 
 
 def test_generate_json_schema_forces_a_valid_answer_and_stays_lossless(embedded_pair, tmp_path):
     jsonschema = pytest.importorskip("jsonschema")
     schema = tmp_path / "schema.json"
     schema.write_text(json.dumps(BOUNDED_SCHEMA))
-    common = ["generate", "--ignore-chat-template", "--prompt", "def f(x):", "--max-tokens", "80", "--json",
-              "--json-schema", str(schema)]
+    common = [
+        "generate",
+        "--ignore-chat-template",
+        "--prompt",
+        "def f(x):",
+        "--max-tokens",
+        "80",
+        "--json",
+        "--json-schema",
+        str(schema),
+    ]
     spec, plain = run(*common), run(*common, "--no-draft")
     assert spec.returncode == 0, spec.stderr
     s, p = json.loads(spec.stdout), json.loads(plain.stdout)

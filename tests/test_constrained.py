@@ -27,8 +27,14 @@ from dflash2_mlx.models.target import TargetRunner
 # Every keyword the server promises, in one schema whose language is finite (bounded strings,
 # integers and arrays): every constrained generation ends with the stop token by itself.
 SCHEMA = {
-    "$defs": {"point": {"type": "object", "properties": {"x": {"type": "integer", "minimum": 0, "maximum": 99}},
-                        "required": ["x"], "additionalProperties": False}},
+    "$defs": {
+        "point": {
+            "type": "object",
+            "properties": {"x": {"type": "integer", "minimum": 0, "maximum": 99}},
+            "required": ["x"],
+            "additionalProperties": False,
+        }
+    },
     "type": "object",
     "properties": {
         "name": {"type": "string", "maxLength": 4},
@@ -64,15 +70,21 @@ def _text(tokenizer, tokens):
     return tokenizer.decode([t for t in tokens if t != tiny.EOS_ID])
 
 
-def test_every_constrained_output_of_a_random_model_validates_against_the_schema(hybrid_target, byte_tokenizer,
-                                                                                 schema_grammar):
+def test_every_constrained_output_of_a_random_model_validates_against_the_schema(
+    hybrid_target, byte_tokenizer, schema_grammar
+):
     jsonschema = pytest.importorskip("jsonschema")
     _, model = hybrid_target
     runner = TargetRunner(model)
     texts = set()
     for seed in range(6):
-        settings = GenerationSettings(max_tokens=MAX_TOKENS, grammar=schema_grammar, seed=seed,
-                                      sampling=SamplingSettings(temperature=1.0), stop_token_ids=[tiny.EOS_ID])
+        settings = GenerationSettings(
+            max_tokens=MAX_TOKENS,
+            grammar=schema_grammar,
+            seed=seed,
+            sampling=SamplingSettings(temperature=1.0),
+            stop_token_ids=[tiny.EOS_ID],
+        )
         events = list(generate_autoregressive(runner, [3 + seed, 40, 7], settings))
         assert events[-1].finish_reason == "stop"  # the grammar ended the text, not max_tokens
         text = _text(byte_tokenizer, _tokens(events))
@@ -94,14 +106,17 @@ def test_constrained_speculative_greedy_equals_constrained_plain_greedy(hybrid_t
         runner = TargetRunner(model)
         prompt = [rng.randrange(0, tiny.VOCAB - 4) for _ in range(rng.randint(1, 12))]
         block = rng.randint(2, 16)
-        settings = GenerationSettings(max_tokens=MAX_TOKENS, block_size=block, grammar=schema_grammar,
-                                      stop_token_ids=[tiny.EOS_ID])
+        settings = GenerationSettings(
+            max_tokens=MAX_TOKENS, block_size=block, grammar=schema_grammar, stop_token_ids=[tiny.EOS_ID]
+        )
         plain = _tokens(generate_autoregressive(runner, prompt, settings))
         dcfg = tiny.drafter_config(cfg, version=rng.choice([1, 2]), block_size=16)
         base = tiny.build_drafter(dcfg, seed=rng.randrange(1000))
         if rng.random() < 0.8:
             continuation = prompt + plain
-            corrupt = {p for p in range(len(prompt) + 1, len(continuation)) if rng.random() < rng.choice([0.05, 0.2, 0.5])}
+            corrupt = {
+                p for p in range(len(prompt) + 1, len(continuation)) if rng.random() < rng.choice([0.05, 0.2, 0.5])
+            }
             refused_drafts += len(corrupt)
             drafter = tiny.OracleDrafter(dcfg, continuation, corrupt)
             drafter.load_weights(tree_flatten(base.parameters()))
@@ -114,8 +129,9 @@ def test_constrained_speculative_greedy_equals_constrained_plain_greedy(hybrid_t
     assert refused_drafts > 0 and {0, 1, 2, 3} <= accepted_counts and max(accepted_counts) >= 8
 
 
-def test_constrained_speculative_sampling_with_masked_drafts_always_gives_a_valid_answer(hybrid_target, plain_target,
-                                                                                        byte_tokenizer, schema_grammar):
+def test_constrained_speculative_sampling_with_masked_drafts_always_gives_a_valid_answer(
+    hybrid_target, plain_target, byte_tokenizer, schema_grammar
+):
     """12 random set-ups of sampled DFlash 2 under the schema (the drafts walk the grammar): target
     kind, block size 2..16, temperature, oracle drafter corrupted at random or a random drafter.
     Each answer validates and ends by itself; the matcher survives every walk and rollback."""
@@ -128,9 +144,14 @@ def test_constrained_speculative_sampling_with_masked_drafts_always_gives_a_vali
         cfg, model = targets[kind]
         runner = TargetRunner(model)
         prompt = [rng.randrange(0, tiny.VOCAB - 4) for _ in range(rng.randint(1, 12))]
-        settings = GenerationSettings(max_tokens=MAX_TOKENS, block_size=rng.randint(2, 16), grammar=schema_grammar,
-                                      sampling=SamplingSettings(temperature=rng.choice([0.6, 1.0])),
-                                      seed=case, stop_token_ids=[tiny.EOS_ID])
+        settings = GenerationSettings(
+            max_tokens=MAX_TOKENS,
+            block_size=rng.randint(2, 16),
+            grammar=schema_grammar,
+            sampling=SamplingSettings(temperature=rng.choice([0.6, 1.0])),
+            seed=case,
+            stop_token_ids=[tiny.EOS_ID],
+        )
         dcfg = tiny.drafter_config(cfg, version=2, block_size=16)
         drafter = tiny.build_drafter(dcfg, seed=rng.randrange(1000))
         if rng.random() < 0.7:  # an oracle of one constrained sample: later samples part from it
@@ -175,13 +196,18 @@ def test_a_grammar_after_reasoning_leaves_the_reasoning_free_and_stays_lossless(
         return mx.where(mx.arange(logits.shape[-1]) == close, logits + 100.0 * at, logits)
 
     grammar = Grammar.json_schema(SCHEMA, byte_tokenizer, [tiny.EOS_ID], reasoning_end=[close])
-    settings = GenerationSettings(max_tokens=MAX_TOKENS, block_size=5, grammar=grammar, stop_token_ids=[tiny.EOS_ID],
-                                  logits_processors=[close_reasoning])
+    settings = GenerationSettings(
+        max_tokens=MAX_TOKENS,
+        block_size=5,
+        grammar=grammar,
+        stop_token_ids=[tiny.EOS_ID],
+        logits_processors=[close_reasoning],
+    )
     plain = _tokens(generate_autoregressive(runner, prompt, settings))
     assert plain[think_tokens] == close and plain[-1] == tiny.EOS_ID
     unconstrained = _tokens(generate_autoregressive(runner, prompt, GenerationSettings(max_tokens=think_tokens)))
     assert plain[:think_tokens] == unconstrained  # the reasoning was not masked
-    jsonschema.validate(json.loads(_text(byte_tokenizer, plain[think_tokens + 1:])), SCHEMA)
+    jsonschema.validate(json.loads(_text(byte_tokenizer, plain[think_tokens + 1 :])), SCHEMA)
     dcfg = tiny.drafter_config(cfg, version=2)
     for corrupt in (set(), {5, 9, 14, 30}):
         drafter = tiny.OracleDrafter(dcfg, prompt + plain, corrupt)
@@ -235,7 +261,7 @@ def _reference_row_masks(state, drafts, rows):
             break
         d = int(drafts[i])
         if d in stops or not (int(bits[i, d >> 5]) >> (d & 31)) & 1 or not state.matcher.consume_token(d):
-            bits[i + 1:] = -1
+            bits[i + 1 :] = -1
             break
         consumed += 1
     state.matcher.rollback(consumed)
@@ -270,8 +296,9 @@ def test_verify_masks_and_the_greedy_walk_equal_their_row_by_row_definitions(byt
     exactly what masking every row one at a time gives, from any point of the answer, for drafts
     that follow the grammar, break it, or end the text."""
     rng = random.Random(11)
-    answer = byte_tokenizer.encode('{"name": "ab", "kind": "dog", "version": "v1", "tags": [true], "at": {"x": 4}}',
-                                   add_special_tokens=False)
+    answer = byte_tokenizer.encode(
+        '{"name": "ab", "kind": "dog", "version": "v1", "tags": [true], "at": {"x": 4}}', add_special_tokens=False
+    )
     near = sorted(set(answer)) + [tiny.EOS_ID, 5, 6]  # tokens that are often, not always, allowed
     checked = refused = 0
     for case in range(300):
@@ -279,14 +306,18 @@ def test_verify_masks_and_the_greedy_walk_equal_their_row_by_row_definitions(byt
         start = rng.randrange(len(answer) + 1)  # up to a complete answer: then only the stop token
         state.commit(answer[:start])
         rows = rng.randint(1, 9)
-        drafts = [answer[start + i] if start + i < len(answer) and rng.random() < 0.75 else rng.choice(near)
-                  for i in range(rows - 1)]
+        drafts = [
+            answer[start + i] if start + i < len(answer) and rng.random() < 0.75 else rng.choice(near)
+            for i in range(rows - 1)
+        ]
         got = np.array(state.mask_verify(mx.zeros((rows, tiny.VOCAB)), drafts)) == 0
         assert (got == _reference_row_masks(state, drafts, rows)).all(), (case, start, drafts)
         k = rng.randint(1, 6)
         candidates = np.array([[rng.choice(near) for _ in range(k)] for _ in range(rows)])
-        pairs = np.array([[[rng.choice((0.0, 1.0, 2.0, 3.0)) for _ in range(k)] for _ in range(k)]
-                          for _ in range(rows)], dtype=np.float32)  # ties: the walk breaks them by slot
+        pairs = np.array(
+            [[[rng.choice((0.0, 1.0, 2.0, 3.0)) for _ in range(k)] for _ in range(k)] for _ in range(rows)],
+            dtype=np.float32,
+        )  # ties: the walk breaks them by slot
         walk = state.greedy_path(candidates, pairs)
         assert walk == _reference_greedy_walk(state, candidates, pairs), (case, start)
         assert state.matcher.validate_tokens(answer[start:]) == len(answer) - start  # rolled back
@@ -303,15 +334,17 @@ def test_drafts_are_walked_while_refused_drafts_end_the_accepted_run(byte_tokeni
     """``walk_pays``: walking is on at the start; cycles whose selector path was refused at a draft
     the run reached keep it on, cycles with every draft allowed (or refused only after the run
     had ended) turn it off, and refusals coming back turn it on again."""
-    answer = byte_tokenizer.encode('{"name": "ab", "kind": "dog", "version": "v1", "tags": [true, false, true], '
-                                   '"at": {"x": 42}, "extra": null}', add_special_tokens=False)
+    answer = byte_tokenizer.encode(
+        '{"name": "ab", "kind": "dog", "version": "v1", "tags": [true, false, true], "at": {"x": 42}, "extra": null}',
+        add_special_tokens=False,
+    )
     bad = byte_tokenizer.encode("~", add_special_tokens=False)[0]  # never allowed outside a string
     state, at, seen = schema_grammar.start(), 0, []
 
     def cycle(drafts, accepted):  # verify masks for these drafts, then the commit of accepted + bonus
         nonlocal at
         state.mask_verify(mx.zeros((len(drafts) + 1, tiny.VOCAB)), drafts)
-        state.commit(answer[at: at + accepted + 1])
+        state.commit(answer[at : at + accepted + 1])
         at += accepted + 1
         seen.append(state.walk_pays)
 
@@ -320,7 +353,7 @@ def test_drafts_are_walked_while_refused_drafts_end_the_accepted_run(byte_tokeni
         cycle([answer[at], bad, answer[at + 2]], 1)
     assert seen == [True] * 3
     for _ in range(6):  # all allowed; then refused after the run had ended at draft 0: neither counts
-        cycle(answer[at: at + 2] if len(seen) % 2 else [answer[at], answer[at + 1], bad], 1 if len(seen) % 2 else 0)
+        cycle(answer[at : at + 2] if len(seen) % 2 else [answer[at], answer[at + 1], bad], 1 if len(seen) % 2 else 0)
     assert seen[-1] is False
     for _ in range(3):
         cycle([bad, answer[at + 1]], 0)
@@ -373,8 +406,7 @@ def test_the_sampled_grammar_walk_draws_only_allowed_candidates_from_the_renorma
     assert (state.mask_next(mx.zeros((1, tiny.VOCAB))) > -1).sum().item() == 3
 
 
-def test_a_sampled_walk_row_without_allowed_candidates_falls_back_to_the_kernels_draw(byte_tokenizer,
-                                                                                     schema_grammar):
+def test_a_sampled_walk_row_without_allowed_candidates_falls_back_to_the_kernels_draw(byte_tokenizer, schema_grammar):
     """No candidate may start the answer: the walk is then the unmasked kernel's, q and picks
     (``reference_select_sampled`` over the same scores and uniforms)."""
     from dflash2_mlx.kernels import reference
@@ -384,11 +416,14 @@ def test_a_sampled_walk_row_without_allowed_candidates_falls_back_to_the_kernels
     rng = np.random.default_rng(7)
     n, rows, k, rank = 1, 4, 5, 6
     pool = np.setdiff1d(np.arange(tiny.VOCAB - 4), start_allowed)  # nothing may start the answer
-    inputs = (mx.array([5]), mx.array(rng.choice(pool, (n, rows, k), replace=False).astype(np.int32)),
-              mx.array(rng.normal(size=(n, rows, k)).astype(np.float32)),
-              mx.array(rng.normal(size=(n, rows, rank)).astype(np.float32)),
-              mx.array(rng.normal(size=(tiny.VOCAB, rank)).astype(np.float32)),
-              mx.array(rng.normal(size=(tiny.VOCAB, rank)).astype(np.float32)))
+    inputs = (
+        mx.array([5]),
+        mx.array(rng.choice(pool, (n, rows, k), replace=False).astype(np.int32)),
+        mx.array(rng.normal(size=(n, rows, k)).astype(np.float32)),
+        mx.array(rng.normal(size=(n, rows, rank)).astype(np.float32)),
+        mx.array(rng.normal(size=(tiny.VOCAB, rank)).astype(np.float32)),
+        mx.array(rng.normal(size=(tiny.VOCAB, rank)).astype(np.float32)),
+    )
     pairs, candidates = np.array(reference.pair_scores(*inputs)[0]), np.array(inputs[1][0])
     compared = 0
     for _ in range(300):
@@ -412,12 +447,15 @@ def test_a_complete_answer_allows_only_the_stop_tokens(byte_tokenizer):
     assert allowed.tolist() == [297, tiny.EOS_ID]
 
 
-@pytest.mark.parametrize("keyword, schema", [
-    ("not", {"not": {"type": "string"}}),
-    ("uniqueItems", {"type": "array", "uniqueItems": True}),
-    ("if", {"if": {"type": "string"}, "then": {"minLength": 2}}),
-    ("contains", {"type": "array", "contains": {"type": "integer"}}),
-])
+@pytest.mark.parametrize(
+    "keyword, schema",
+    [
+        ("not", {"not": {"type": "string"}}),
+        ("uniqueItems", {"type": "array", "uniqueItems": True}),
+        ("if", {"if": {"type": "string"}, "then": {"minLength": 2}}),
+        ("contains", {"type": "array", "contains": {"type": "integer"}}),
+    ],
+)
 def test_a_keyword_the_engine_cannot_enforce_is_named(keyword, schema):
     with pytest.raises(GrammarError) as err:
         json_schema_rules(schema)
@@ -450,7 +488,7 @@ def _exact_constrained_joint(runner, prompt, sampling, vocab):
     table = np.zeros((vocab,) * 3)
 
     def walk(prefix, mass):
-        out = prefix[len(prompt):]
+        out = prefix[len(prompt) :]
         logits, _ = runner(mx.array([prefix]), runner.make_cache())
         keep = mx.array([t in _allowed(out) for t in range(vocab)])
         p = np.array(probabilities(mx.where(keep, logits[0, -1:], -float("inf")), sampling))[0]
@@ -507,8 +545,15 @@ def test_constrained_speculative_sampling_matches_the_constrained_joint_distribu
     accepted_any = 0
     n = 1200
     for seed in range(n):
-        settings = GenerationSettings(max_tokens=3, sampling=sampling, seed=seed, block_size=3, grammar=grammar,
-                                      stop_token_ids=[eos], mask_drafts=mask_drafts)
+        settings = GenerationSettings(
+            max_tokens=3,
+            sampling=sampling,
+            seed=seed,
+            block_size=3,
+            grammar=grammar,
+            stop_token_ids=[eos],
+            mask_drafts=mask_drafts,
+        )
         events = list(generate_speculative(runner, drafter, prompt, settings))
         toks = [t for e in events for t in e.tokens]
         counts[np.ravel_multi_index(toks, (vocab,) * 3)] += 1

@@ -155,7 +155,7 @@ def test_a_slower_machine_moves_every_size_not_only_the_one_timed():
     for _ in range(30):
         table.observe(4, 10, 6.0)  # everything got twice as slow; only blocks of 4 are running
     assert table.estimate(4, 10) == pytest.approx(6.0, rel=0.01)
-    assert table.estimate(1, 10) == pytest.approx(2 ** 0.5, rel=0.01)  # followed halfway, in log terms
+    assert table.estimate(1, 10) == pytest.approx(2**0.5, rel=0.01)  # followed halfway, in log terms
 
 
 def test_calibration_medians_are_made_monotone_in_block_size():

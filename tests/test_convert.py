@@ -67,14 +67,17 @@ def test_target_conversion_round_trip_is_lossless(hf_checkpoints, drafter8, tmp_
 
     src, _ = hf_checkpoints
     out = tmp_path / f"target-{bits}bit"
-    code, stdout, err = cli(capsys, monkeypatch, "convert", "--hf-path", str(src), "--out", str(out),
-                            "--quantize", "--q-bits", str(bits))
+    code, stdout, err = cli(
+        capsys, monkeypatch, "convert", "--hf-path", str(src), "--out", str(out), "--quantize", "--q-bits", str(bits)
+    )
     assert code == 0, err
     assert f"{bits}-bit" in stdout and "loads with dflash2-mlx" in stdout
     config = json.loads((out / "config.json").read_text())
     assert config["quantization"]["bits"] == bits and config["quantization"]["group_size"] == 64
     weights = mx.load(str(out / "model.safetensors"))
-    assert any(k.endswith(".scales") for k in weights) and not any(k.startswith(("mtp.", "model.visual")) for k in weights)
+    assert any(k.endswith(".scales") for k in weights) and not any(
+        k.startswith(("mtp.", "model.visual")) for k in weights
+    )
     target = load_target(str(out))
     assert target.tokenizer.chat_template
     drafter = load_drafter(str(drafter8))
@@ -112,10 +115,17 @@ def test_drafter_conversion_keeps_codebooks_convs_norms_in_bf16(hf_checkpoints, 
             assert w.dtype == mx.bfloat16, name  # codebooks, base kernels, kernel projections, norms
     assert all(m.split(".")[-1] in LINEARS for m in quantized)
     assert len(quantized) == 1 + 2 * 7  # fc + (4 attention + 3 MLP projections) x 2 layers
-    for kept in ("candidate_selector.predecessor_codebook", "candidate_selector.successor_codebook",
-                 "candidate_selector.hidden_projection.weight", "layers.0.attention_conv.base_kernel",
-                 "layers.0.attention_conv.kernel_projection.weight", "layers.1.mlp_conv.kernel_projection.weight",
-                 "norm.weight", "hidden_norm.weight", "layers.0.input_layernorm.weight"):
+    for kept in (
+        "candidate_selector.predecessor_codebook",
+        "candidate_selector.successor_codebook",
+        "candidate_selector.hidden_projection.weight",
+        "layers.0.attention_conv.base_kernel",
+        "layers.0.attention_conv.kernel_projection.weight",
+        "layers.1.mlp_conv.kernel_projection.weight",
+        "norm.weight",
+        "hidden_norm.weight",
+        "layers.0.input_layernorm.weight",
+    ):
         assert weights[kept].dtype == mx.bfloat16, kept
     # Round trip: load_drafter rebuilds exactly the stored tensors.
     loaded = load_drafter(str(drafter8))
@@ -142,15 +152,31 @@ def test_convert_cli_drafter_default_and_errors(hf_checkpoints, tmp_path, capsys
     assert code == 0, err
     assert "drafter, 15 linear layers 8-bit" in stdout and "bfloat16" in stdout  # 8-bit is the drafter default
     # a 4-bit drafter converts, with a warning about acceptance
-    code, stdout, err = cli(capsys, monkeypatch, "convert", "--hf-path", str(drafter), "--out", str(tmp_path / "d4"),
-                            "--draft", "--q-bits", "4")
+    code, stdout, err = cli(
+        capsys,
+        monkeypatch,
+        "convert",
+        "--hf-path",
+        str(drafter),
+        "--out",
+        str(tmp_path / "d4"),
+        "--draft",
+        "--q-bits",
+        "4",
+    )
     assert code == 0 and "collapse acceptance" in err
     assert json.loads((tmp_path / "d4" / "config.json").read_text())["quantization"]["bits"] == 4
     base = ["convert", "--hf-path", str(target)]
     assert "already exists" in one_line_error(*cli(capsys, monkeypatch, *base, "--out", str(out))[::2])
-    assert "--q-bits" in one_line_error(*cli(capsys, monkeypatch, *base, "--out", str(tmp_path / "x"), "--quantize", "--q-bits", "3")[::2])
-    assert "not a DFlash drafter" in one_line_error(*cli(capsys, monkeypatch, *base, "--out", str(tmp_path / "y"), "--draft")[::2])
-    assert "does not exist" in one_line_error(*cli(capsys, monkeypatch, "convert", "--hf-path", str(tmp_path / "nope"), "--out", str(tmp_path / "z"))[::2])
+    assert "--q-bits" in one_line_error(
+        *cli(capsys, monkeypatch, *base, "--out", str(tmp_path / "x"), "--quantize", "--q-bits", "3")[::2]
+    )
+    assert "not a DFlash drafter" in one_line_error(
+        *cli(capsys, monkeypatch, *base, "--out", str(tmp_path / "y"), "--draft")[::2]
+    )
+    assert "does not exist" in one_line_error(
+        *cli(capsys, monkeypatch, "convert", "--hf-path", str(tmp_path / "nope"), "--out", str(tmp_path / "z"))[::2]
+    )
 
 
 def test_download_one_line_errors(tmp_path, capsys, monkeypatch):
@@ -162,7 +188,12 @@ def test_download_one_line_errors(tmp_path, capsys, monkeypatch):
     assert "unknown preset" in one_line_error(code, err)
     # Offline with an empty cache: a clear line, no traceback, no network.
     env = dict(os.environ, HF_HUB_OFFLINE="1", HF_HOME=str(tmp_path / "hf"))
-    r = subprocess.run([sys.executable, "-m", "dflash2_mlx", "download", "some-org/some-model", "--draft"],
-                       capture_output=True, text=True, timeout=120, env=env)
+    r = subprocess.run(
+        [sys.executable, "-m", "dflash2_mlx", "download", "some-org/some-model", "--draft"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=env,
+    )
     line = one_line_error(r.returncode, r.stderr.replace("downloading draft model some-org/some-model ...", ""))
     assert "offline" in line and "some-org/some-model" in line

@@ -126,7 +126,8 @@ def test_what_a_killed_writer_leaves_behind_is_cleaned_and_never_used(pair, tmp_
     (snaps / gone["file"]).unlink()  # an index entry whose file vanished
     _disk(tmp_path)  # the next process to open the directory
     assert sorted(p.name for p in snaps.iterdir()) == sorted(
-        [e["file"] for e in good.values() if e is not gone] + [live.name])
+        [e["file"] for e in good.values() if e is not gone] + [live.name]
+    )
     live.unlink()
     entries = _consistent(tmp_path)
     assert gone["file"] not in {e["file"] for e in entries.values()}
@@ -186,8 +187,12 @@ def test_a_snapshot_larger_than_the_memory_budget_is_logged_and_kept_on_disk(pai
 def test_bfloat16_arrays_come_back_bit_for_bit(tmp_path):
     keys = mx.random.normal((1, 2, 5, 4)).astype(mx.bfloat16)
     state = mx.random.normal((1, 2, 3, 3))
-    entry = PrefixEntry((1, 2, 3, 4, 5), CacheSnapshot([(keys, keys * 2, 5), (state[:, :, :2], state)], 5), None,
-                        mx.random.normal((1, 7)).astype(mx.float16))
+    entry = PrefixEntry(
+        (1, 2, 3, 4, 5),
+        CacheSnapshot([(keys, keys * 2, 5), (state[:, :, :2], state)], 5),
+        None,
+        mx.random.normal((1, 7)).astype(mx.float16),
+    )
     disk = _disk(tmp_path)
     assert disk.store(entry) and disk.flush()
     back = _disk(tmp_path).lookup([1, 2, 3, 4, 5, 6], need_context=False)
@@ -220,8 +225,12 @@ WRITER = textwrap.dedent("""
 def test_two_processes_writing_one_directory_leave_it_consistent(tmp_path):
     one_entry = 2 * 2 * 64 * 16 * 4
     budget = 30 * one_entry  # fewer than the 80 written: eviction runs while both write
-    procs = [subprocess.Popen([sys.executable, "-c", WRITER, str(tmp_path), str(me), str(budget)],
-                              stderr=subprocess.PIPE, text=True) for me in (1, 2)]
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-c", WRITER, str(tmp_path), str(me), str(budget)], stderr=subprocess.PIPE, text=True
+        )
+        for me in (1, 2)
+    ]
     for p in procs:
         _, err = p.communicate(timeout=300)
         assert p.returncode == 0, err

@@ -16,15 +16,37 @@ SECTIONS = ("system", "kernels", "rollback", "lossless", "speed", "memory")
 
 
 def _filled(value) -> bool:
-    return value not in (None, "", [], {}) if not isinstance(value, dict) else all(
-        k in ("divergences", "self_checks", "wired_limit_bytes", "metal_us") or _filled(v) or v in (False, 0)
-        for k, v in value.items())
+    return (
+        value not in (None, "", [], {})
+        if not isinstance(value, dict)
+        else all(
+            k in ("divergences", "self_checks", "wired_limit_bytes", "metal_us") or _filled(v) or v in (False, 0)
+            for k, v in value.items()
+        )
+    )
 
 
 def test_doctor_report_on_the_embedded_pair_fills_every_section_and_passes(tmp_path, embedded_pair):
     path = tmp_path / "report.json"
-    r = subprocess.run([sys.executable, "-m", "dflash2_mlx", "doctor", "--report", str(path), "--prompts", "8",
-                        "--tokens", "16", "--speed-tokens", "32"], capture_output=True, text=True, timeout=300)
+    r = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "dflash2_mlx",
+            "doctor",
+            "--report",
+            str(path),
+            "--prompts",
+            "8",
+            "--tokens",
+            "16",
+            "--speed-tokens",
+            "32",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert r.returncode == 0, r.stderr
     assert "lossless pass" in r.stdout
     report = json.loads(path.read_text())
@@ -35,7 +57,9 @@ def test_doctor_report_on_the_embedded_pair_fills_every_section_and_passes(tmp_p
     assert system["chip"] and system["memory_for_models_bytes"] > 0 and system["os"]
     assert system["drafter_precision"].startswith("float32 activations; why: not an M1/M2 GPU")  # stored float32
     kernels = report["kernels"]
-    assert set(kernels["active"]) == set(kernels["timings_float32"]) == {"two_tap_conv", "select_greedy", "select_sampled"}
+    assert (
+        set(kernels["active"]) == set(kernels["timings_float32"]) == {"two_tap_conv", "select_greedy", "select_sampled"}
+    )
     assert all(t["reference_us"] > 0 for t in kernels["timings_float32"].values())
     assert report["rollback"] == {**report["rollback"], "setting": "auto", "path": "keep"}
     lossless = report["lossless"]
@@ -73,7 +97,9 @@ def test_a_divergence_passes_only_within_the_rounding_bound(hybrid_target):
 
 
 @pytest.mark.parametrize("setting", ["keep", "replay"])
-def test_the_rounding_bound_is_float32_rounding_on_the_cpu_for_either_rollback_path(hybrid_target, setting, monkeypatch):
+def test_the_rounding_bound_is_float32_rounding_on_the_cpu_for_either_rollback_path(
+    hybrid_target, setting, monkeypatch
+):
     from dflash2_mlx.caches import target as caches
 
     monkeypatch.setenv(caches.ROLLBACK_ENV, setting)
@@ -85,13 +111,23 @@ def test_the_rounding_bound_is_float32_rounding_on_the_cpu_for_either_rollback_p
 
 def test_doctor_prints_the_active_rollback_path():
     env = {**os.environ, "DFLASH2_MLX_ROLLBACK": "replay"}
-    r = subprocess.run([sys.executable, "-m", "dflash2_mlx", "doctor", "--no-self-test"], capture_output=True,
-                       text=True, timeout=120, env=env)
+    r = subprocess.run(
+        [sys.executable, "-m", "dflash2_mlx", "doctor", "--no-self-test"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=env,
+    )
     assert r.returncode == 0, r.stderr
     line = next(l for l in r.stdout.splitlines() if l.startswith("rollback"))
     assert "replay (forced by DFLASH2_MLX_ROLLBACK)" in line
     exactness = next(l for l in r.stdout.splitlines() if l.startswith("exactness"))
     assert "identical to plain decoding" in exactness
-    bad = subprocess.run([sys.executable, "-m", "dflash2_mlx", "doctor", "--no-self-test"], capture_output=True,
-                         text=True, timeout=120, env={**os.environ, "DFLASH2_MLX_ROLLBACK": "never"})
+    bad = subprocess.run(
+        [sys.executable, "-m", "dflash2_mlx", "doctor", "--no-self-test"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, "DFLASH2_MLX_ROLLBACK": "never"},
+    )
     assert bad.returncode == 2 and "DFLASH2_MLX_ROLLBACK='never' is not one of" in bad.stderr

@@ -34,11 +34,19 @@ def no_activation_setting(monkeypatch):
     monkeypatch.delenv(ACTIVATIONS_ENV, raising=False)
 
 
-@pytest.mark.parametrize("architecture, emulated", [
-    ("applegpu_g13s", True), ("applegpu_g13g", True), ("applegpu_g14d", True),  # M1 Max, M1, M2 Ultra
-    ("applegpu_g15s", False), ("applegpu_g16p", False), ("applegpu_g17s", False),  # M3, M4, M5
-    ("x86_64", False), ("", False),  # MLX's CPU backend reports the CPU's architecture
-])
+@pytest.mark.parametrize(
+    "architecture, emulated",
+    [
+        ("applegpu_g13s", True),
+        ("applegpu_g13g", True),
+        ("applegpu_g14d", True),  # M1 Max, M1, M2 Ultra
+        ("applegpu_g15s", False),
+        ("applegpu_g16p", False),
+        ("applegpu_g17s", False),  # M3, M4, M5
+        ("x86_64", False),
+        ("", False),  # MLX's CPU backend reports the CPU's architecture
+    ],
+)
 def test_m1_and_m2_gpus_are_the_ones_detected_without_native_bf16(architecture, emulated):
     assert device.emulates_bf16(architecture) is emulated
     choice = choose_activations(architecture)
@@ -61,8 +69,9 @@ def test_a_drafter_loaded_on_an_m1_gpu_runs_in_float32_without_any_setting(monke
     monkeypatch.setattr(device, "gpu_architecture", lambda: "applegpu_g13s")
     drafter = load_drafter(str(converted["w8"]))
     assert drafter.activation_dtype == mx.float32
-    assert describe(drafter) == ("w8a32 (8-bit weights, float32 activations); "
-                                 "why: applegpu_g13s is an M1/M2-family GPU: no native bf16")
+    assert describe(drafter) == (
+        "w8a32 (8-bit weights, float32 activations); why: applegpu_g13s is an M1/M2-family GPU: no native bf16"
+    )
     monkeypatch.setattr(device, "gpu_architecture", lambda: "applegpu_g15s")
     assert load_drafter(str(converted["w8"])).activation_dtype is None
 
@@ -98,8 +107,13 @@ def test_16_bit_inputs_become_float32_and_the_head_runs_in_the_targets_dtype(mon
 
 def doctor(activations: str) -> subprocess.CompletedProcess:
     env = dict(os.environ, **{ACTIVATIONS_ENV: activations})
-    return subprocess.run([sys.executable, "-m", "dflash2_mlx", "doctor", "--no-self-test"],
-                          capture_output=True, text=True, timeout=120, env=env)
+    return subprocess.run(
+        [sys.executable, "-m", "dflash2_mlx", "doctor", "--no-self-test"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=env,
+    )
 
 
 def test_doctor_says_which_precision_the_drafter_runs_in_and_why():
@@ -159,8 +173,12 @@ def float32_twin(drafter) -> nn.Module:
     for name, module in drafter.named_modules():
         if isinstance(module, nn.QuantizedLinear):
             weights[f"{name}.weight"] = mx.dequantize(
-                module.weight, module.scales.astype(mx.float32), module.biases.astype(mx.float32),
-                module.group_size, module.bits)
+                module.weight,
+                module.scales.astype(mx.float32),
+                module.biases.astype(mx.float32),
+                module.group_size,
+                module.bits,
+            )
     for name, value in tree_flatten(drafter.parameters()):
         module_name, leaf = name.rsplit(".", 1)
         if leaf in ("scales", "biases") or (leaf == "weight" and f"{module_name}.weight" in weights):
@@ -183,14 +201,17 @@ def record_drafter_input_dtypes():
         seen.append(features.dtype)
         return context_rows(self, features, offset)
 
-    patches = (mock.patch.object(DraftStep, "block", recording_block),
-               mock.patch.object(DraftStep, "context_rows", recording_context_rows))
+    patches = (
+        mock.patch.object(DraftStep, "block", recording_block),
+        mock.patch.object(DraftStep, "context_rows", recording_context_rows),
+    )
     return seen, patches
 
 
 @pytest.mark.parametrize("checkpoint, bits", [("bf16", None), ("w8", 8), ("w4", 4)])
 def test_float32_activation_drafter_accepts_what_the_float32_drafter_accepts(
-        checkpoint, bits, converted, target, original_acceptance, monkeypatch):
+    checkpoint, bits, converted, target, original_acceptance, monkeypatch
+):
     monkeypatch.setenv(ACTIVATIONS_ENV, "float32")
     drafter = load_drafter(str(converted[checkpoint]))
     # the path is really taken: every float parameter is float32, quantized weights stay packed

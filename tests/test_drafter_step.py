@@ -94,9 +94,14 @@ def test_the_gpu_attention_branch_equals_the_cpu_branch(with_context, monkeypatc
     length, hq, hkv, d, c = 8, 8, 2, 32, 29
     key = iter(mx.random.split(mx.random.key(9), 8))
     q, k, v = (mx.random.normal(s, key=next(key)) for s in ((length, hq, d), (length, hkv, d), (length, hkv, d)))
-    ctx = (mx.random.normal((1, hkv, c, d), key=next(key)), mx.random.normal((1, hkv, c, d), key=next(key)),
-           mx.where(mx.random.uniform(shape=(1, c), key=next(key)) < 0.3, -mx.inf, 0.0))
-    block_bias = mx.array(np.where(np.arange(length)[None] <= np.arange(length)[:, None], 0.0, -np.inf).astype(np.float32))
+    ctx = (
+        mx.random.normal((1, hkv, c, d), key=next(key)),
+        mx.random.normal((1, hkv, c, d), key=next(key)),
+        mx.where(mx.random.uniform(shape=(1, c), key=next(key)) < 0.3, -mx.inf, 0.0),
+    )
+    block_bias = mx.array(
+        np.where(np.arange(length)[None] <= np.arange(length)[:, None], 0.0, -np.inf).astype(np.float32)
+    )
     context = ctx if with_context else None
     assert cpu_attention.uses_fast_exp()
     cpu = cpu_attention.block_attention(q, k, v, context, block_bias, d**-0.5)
@@ -130,7 +135,9 @@ def test_on_the_gpu_paths_the_drafters_rope_tables_stay_float32(drafter_config, 
     # and a bf16 drafter drafts what its training forward computes, within bf16 rounding
     drafter = tiny.build_drafter(drafter_config)
     drafter.set_dtype(mx.bfloat16)
-    features = mx.random.normal((1, 9, len(drafter_config.target_layer_ids) * drafter_config.hidden_size)).astype(mx.bfloat16)
+    features = mx.random.normal((1, 9, len(drafter_config.target_layer_ids) * drafter_config.hidden_size)).astype(
+        mx.bfloat16
+    )
     blocks = mx.random.normal((1, 8, drafter_config.hidden_size)).astype(mx.bfloat16)
     got = _draft(drafter, features, blocks)
     want = drafter.train_forward(blocks, features, mx.array([9]))

@@ -67,8 +67,9 @@ def test_the_demo_request_gets_a_short_answer_that_ends_its_turn_and_does_not_lo
     """`dflash2-mlx demo`'s default on this pair: greedy, what a newcomer sees first."""
     target, drafter = pair
     tok = target.tokenizer
-    ids = tok.apply_chat_template([{"role": "user", "content": assets.DEMO_REQUEST}], add_generation_prompt=True,
-                                  tokenize=True)
+    ids = tok.apply_chat_template(
+        [{"role": "user", "content": assets.DEMO_REQUEST}], add_generation_prompt=True, tokenize=True
+    )
     settings = GenerationSettings(max_tokens=256, block_size=8, stop_token_ids=sorted(tok.eos_token_ids))
     spec, stats = collect(generate_speculative(target.runner, drafter, list(ids), settings, tok))
     assert spec == collect(generate_autoregressive(target.runner, list(ids), settings, tok))[0]
@@ -83,7 +84,9 @@ def test_zlab_reference_loads_the_pair_and_matches_tokens_and_acceptance(pair, e
     """z-lab's PyPI `dflash` (its MLX implementation) on the same files: same greedy tokens, same
     acceptance length, cycle by cycle. Its load_draft downloads from the Hub; the local directory
     stands in for the download (that one call is patched, nothing else of theirs)."""
-    zm = pytest.importorskip("dflash.model_mlx", reason="z-lab's reference, installed by CI: pip install --no-deps dflash==0.1.0")
+    zm = pytest.importorskip(
+        "dflash.model_mlx", reason="z-lab's reference, installed by CI: pip install --no-deps dflash==0.1.0"
+    )
 
     target_dir, drafter_dir = embedded_pair
     z_target, z_tok = zm.load(str(target_dir))

@@ -88,7 +88,11 @@ def test_prefix_cache_stays_under_its_byte_budget(pair):
     per_request = roomy.nbytes
     small = PrefixCache(max_bytes=int(2.5 * per_request))
     for start in range(5):
-        _run(generate_speculative(runner, drafter, [start, 2, 3, 4], GenerationSettings(max_tokens=4), prefix_cache=small))
+        _run(
+            generate_speculative(
+                runner, drafter, [start, 2, 3, 4], GenerationSettings(max_tokens=4), prefix_cache=small
+            )
+        )
         assert small.nbytes <= small.max_bytes
     firsts = [k[0] for k in small._entries]
     assert 0 not in firsts and firsts[-1] == 4  # least recently used went first
@@ -100,8 +104,11 @@ def test_cancel_stops_within_one_cycle(pair, speculative):
     runner, drafter = pair
     cancel = threading.Event()
     settings = GenerationSettings(max_tokens=200, cancel=cancel, block_size=4)
-    gen = (generate_speculative(runner, drafter, [1, 2, 3], settings) if speculative
-           else generate_autoregressive(runner, [1, 2, 3], settings))
+    gen = (
+        generate_speculative(runner, drafter, [1, 2, 3], settings)
+        if speculative
+        else generate_autoregressive(runner, [1, 2, 3], settings)
+    )
     events = []
     for event in gen:
         events.append(event)
@@ -161,7 +168,11 @@ def test_profiled_decoding_emits_the_same_tokens_and_accounts_every_phase(pair):
     settings = GenerationSettings(max_tokens=30, block_size=4)  # pinned: auto may decode this random drafter plainly
     plain, _ = _run(generate_speculative(runner, drafter, prompt, settings))
     profiler = CycleProfiler()
-    profiled, last = _run(generate_speculative(runner, drafter, prompt, GenerationSettings(max_tokens=30, block_size=4, profiler=profiler)))
+    profiled, last = _run(
+        generate_speculative(
+            runner, drafter, prompt, GenerationSettings(max_tokens=30, block_size=4, profiler=profiler)
+        )
+    )
     assert profiled == plain
     report = profiler.as_dict()
     assert report["cycles"] == last.stats.verify_steps + last.stats.plain_steps
@@ -192,7 +203,9 @@ def test_each_block_is_drafted_before_the_previous_cycles_host_sync(hybrid_targe
     drafter = _RecordingDrafter(tiny.drafter_config(cfg, version=2, block_size=8))
     mx.eval(drafter.parameters())
     prompt, max_tokens = [5, 6, 7, 8], 40
-    events = list(generate_speculative(runner, drafter, prompt, GenerationSettings(max_tokens=max_tokens, block_size=8)))
+    events = list(
+        generate_speculative(runner, drafter, prompt, GenerationSettings(max_tokens=max_tokens, block_size=8))
+    )
     plain, _ = _run(generate_autoregressive(runner, prompt, GenerationSettings(max_tokens=max_tokens)))
     assert [t for e in events for t in e.tokens] == plain
     emitted, expected = len(events[0].tokens), [False]  # the first block follows the prefill

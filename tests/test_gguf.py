@@ -76,8 +76,15 @@ def encode(weight: np.ndarray, qtype, rng) -> tuple[np.ndarray, np.ndarray]:
     return data, dequantize(data, qtype).astype(np.float32)
 
 
-def write_tiny_gguf(path: Path, arch: str = "llama", qtype=Q.F32, pre: str = "smollm", tied: bool = True,
-                    seed: int = 0, architecture_name: str | None = None) -> dict:
+def write_tiny_gguf(
+    path: Path,
+    arch: str = "llama",
+    qtype=Q.F32,
+    pre: str = "smollm",
+    tied: bool = True,
+    seed: int = 0,
+    architecture_name: str | None = None,
+) -> dict:
     """A tiny ``arch`` model as llama.cpp's converter writes it; returns the HF-layout float32
     weights it stands for (what a GGUF reader must reproduce)."""
     rng = np.random.default_rng(seed)
@@ -123,10 +130,18 @@ def write_tiny_gguf(path: Path, arch: str = "llama", qtype=Q.F32, pre: str = "sm
     for i in range(LAYERS):
         blk, layer = f"blk.{i}", f"model.layers.{i}"
         vector(f"{blk}.attn_norm.weight", f"{layer}.input_layernorm.weight", HIDDEN)
-        matrix(f"{blk}.attn_q.weight", f"{layer}.self_attn.q_proj.weight", (HEADS * HEAD_DIM, HIDDEN),
-               HEADS if permuted else None)
-        matrix(f"{blk}.attn_k.weight", f"{layer}.self_attn.k_proj.weight", (KV_HEADS * HEAD_DIM, HIDDEN),
-               KV_HEADS if permuted else None)
+        matrix(
+            f"{blk}.attn_q.weight",
+            f"{layer}.self_attn.q_proj.weight",
+            (HEADS * HEAD_DIM, HIDDEN),
+            HEADS if permuted else None,
+        )
+        matrix(
+            f"{blk}.attn_k.weight",
+            f"{layer}.self_attn.k_proj.weight",
+            (KV_HEADS * HEAD_DIM, HIDDEN),
+            KV_HEADS if permuted else None,
+        )
         matrix(f"{blk}.attn_v.weight", f"{layer}.self_attn.v_proj.weight", (KV_HEADS * HEAD_DIM, HIDDEN))
         matrix(f"{blk}.attn_output.weight", f"{layer}.self_attn.o_proj.weight", (HIDDEN, HEADS * HEAD_DIM))
         if arch == "qwen2":
@@ -154,10 +169,19 @@ def write_hf_reference(path: Path, arch: str, weights: dict, tied: bool, tokeniz
     """The same model in a Hugging Face directory (config written by hand, not by the converter)."""
     path.mkdir(parents=True)
     config = {
-        "model_type": arch, "hidden_size": HIDDEN, "num_hidden_layers": LAYERS, "intermediate_size": FFN,
-        "num_attention_heads": HEADS, "num_key_value_heads": KV_HEADS, "head_dim": HEAD_DIM,
-        "rms_norm_eps": 1e-5, "rope_theta": 10000.0, "max_position_embeddings": 2048, "vocab_size": VOCAB,
-        "tie_word_embeddings": tied, "eos_token_id": 2,
+        "model_type": arch,
+        "hidden_size": HIDDEN,
+        "num_hidden_layers": LAYERS,
+        "intermediate_size": FFN,
+        "num_attention_heads": HEADS,
+        "num_key_value_heads": KV_HEADS,
+        "head_dim": HEAD_DIM,
+        "rms_norm_eps": 1e-5,
+        "rope_theta": 10000.0,
+        "max_position_embeddings": 2048,
+        "vocab_size": VOCAB,
+        "tie_word_embeddings": tied,
+        "eos_token_id": 2,
     }
     (path / "config.json").write_text(json.dumps(config))
     mx.save_safetensors(str(path / "model.safetensors"), {k: mx.array(v) for k, v in weights.items()})
@@ -238,8 +262,9 @@ def tiny_tokenizer(request, tmp_path, gguf_cache):
     return load_target(str(tmp_path / "m.gguf")).tokenizer
 
 
-@pytest.mark.parametrize("text", ["the 12 then 1234", "a  b   c    d\n\n\te ", "héllo wörld 日本語 🙂", "x\r\ny  \n",
-                                  "it's 'QUOTED' don'T"])
+@pytest.mark.parametrize(
+    "text", ["the 12 then 1234", "a  b   c    d\n\n\te ", "héllo wörld 日本語 🙂", "x\r\ny  \n", "it's 'QUOTED' don'T"]
+)
 def test_tokenizer_round_trips_digits_whitespace_runs_and_unicode(tiny_tokenizer, text):
     assert tiny_tokenizer.decode(tiny_tokenizer.encode(text)) == text
 
@@ -272,8 +297,9 @@ def test_special_tokens_encode_to_their_ids_and_decode_back(tiny_tokenizer):
 
 
 def test_chat_template_from_the_metadata_renders_chatml(tiny_tokenizer):
-    text = tiny_tokenizer.apply_chat_template([{"role": "user", "content": "hi"}], add_generation_prompt=True,
-                                              tokenize=False)
+    text = tiny_tokenizer.apply_chat_template(
+        [{"role": "user", "content": "hi"}], add_generation_prompt=True, tokenize=False
+    )
     assert text == "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"
 
 
@@ -317,8 +343,9 @@ def test_speculative_decoding_is_lossless_on_a_llama_gguf_with_every_accepted_co
     target = load_target(str(tmp_path / "m.gguf"))
     runner, prompt, block = target.runner, [5, 80, 81, 200], 4
     n_tokens = block * (block + 1) + 4
-    plain = [t for e in generate_autoregressive(runner, prompt, GenerationSettings(max_tokens=n_tokens))
-             for t in e.tokens]
+    plain = [
+        t for e in generate_autoregressive(runner, prompt, GenerationSettings(max_tokens=n_tokens)) for t in e.tokens
+    ]
     dcfg = tiny.drafter_config(target.config, version=2, block_size=16, taps=[0, 1])
     corrupt, pos, wanted = set(), len(prompt), list(range(block))
     for a in wanted:  # corrupting position s+1+a makes the cycle starting at s accept exactly a
@@ -327,8 +354,9 @@ def test_speculative_decoding_is_lossless_on_a_llama_gguf_with_every_accepted_co
         pos += a + 1
     drafter = tiny.OracleDrafter(dcfg, prompt + plain, corrupt)
     drafter.load_weights(tree_flatten(tiny.build_drafter(dcfg).parameters()))
-    events = list(generate_speculative(runner, drafter, prompt, GenerationSettings(max_tokens=n_tokens,
-                                                                                    block_size=block)))
+    events = list(
+        generate_speculative(runner, drafter, prompt, GenerationSettings(max_tokens=n_tokens, block_size=block))
+    )
     assert [t for e in events for t in e.tokens] == plain
     assert [e.accepted for e in events if e.accepted is not None][: len(wanted)] == wanted
 
@@ -378,8 +406,9 @@ def test_smollm2_chat_tokens_have_their_ids(smollm2):
 
 def test_smollm2_answers_the_capital_of_france_greedily(smollm2):
     tok = smollm2.tokenizer
-    prompt = tok.apply_chat_template([{"role": "user", "content": "What is the capital of France?"}],
-                                     add_generation_prompt=True)
+    prompt = tok.apply_chat_template(
+        [{"role": "user", "content": "What is the capital of France?"}], add_generation_prompt=True
+    )
     settings = GenerationSettings(max_tokens=24, stop_token_ids=[2])
     text = "".join(e.text for e in generate_autoregressive(smollm2.runner, prompt, settings, tok))
     assert "Paris" in text
@@ -394,8 +423,18 @@ def _command(*args: str) -> subprocess.CompletedProcess:
 
 def test_generate_runs_a_gguf_file_given_as_model(tmp_path, gguf_cache):
     write_tiny_gguf(tmp_path / "m.gguf")
-    r = _command("generate", "--model", str(tmp_path / "m.gguf"), "--no-draft", "--json", "-p", "the 12",
-                 "--ignore-chat-template", "--max-tokens", "5")
+    r = _command(
+        "generate",
+        "--model",
+        str(tmp_path / "m.gguf"),
+        "--no-draft",
+        "--json",
+        "-p",
+        "the 12",
+        "--ignore-chat-template",
+        "--max-tokens",
+        "5",
+    )
     assert r.returncode == 0, r.stderr
     assert len(json.loads(r.stdout)["tokens"]) == 5
 
@@ -412,7 +451,10 @@ def test_the_memory_preflight_sizes_a_gguf_target_from_its_metadata(tmp_path, gg
 
     write_tiny_gguf(tmp_path / "m.gguf")
     plan = memory.preflight(str(tmp_path / "m.gguf"), None)
-    params = VOCAB * HIDDEN + LAYERS * (2 * HIDDEN + 2 * HEADS * HEAD_DIM * HIDDEN + 2 * KV_HEADS * HEAD_DIM * HIDDEN
-                                        + 3 * FFN * HIDDEN) + HIDDEN
+    params = (
+        VOCAB * HIDDEN
+        + LAYERS * (2 * HIDDEN + 2 * HEADS * HEAD_DIM * HIDDEN + 2 * KV_HEADS * HEAD_DIM * HIDDEN + 3 * FFN * HIDDEN)
+        + HIDDEN
+    )
     assert plan.target_weights == 4 * params  # float32 on the CPU
     assert not list(gguf_cache.glob("*-v*"))  # sized without converting anything

@@ -49,8 +49,7 @@ def _pair_args(rng, n, rows, k, rank, vocab, dtypes=None, cand_dtype=mx.int32):
 def _pair_scores_numpy(args):
     """Reference pair scores in float64: [N, R, k(pred), k(cand)], row 0 at predecessor 0."""
     anchor, cand, unary, hidden, pred, succ = (
-        np.array(a.astype(mx.float32)) if a.dtype in (mx.bfloat16, mx.float16) else np.array(a)
-        for a in args
+        np.array(a.astype(mx.float32)) if a.dtype in (mx.bfloat16, mx.float16) else np.array(a) for a in args
     )
     n, rows, k = cand.shape
     out = np.full((n, rows, k, k), np.nan)
@@ -79,9 +78,7 @@ def test_missing_compiler_is_a_clear_failure(monkeypatch):
         harness.find_compiler()
 
 
-CAST_SPEC = plans.KernelSpec(
-    name="harness_cast", filename="<test>", input_names=("inp",), output_names=("out",)
-)
+CAST_SPEC = plans.KernelSpec(name="harness_cast", filename="<test>", input_names=("inp",), output_names=("out",))
 CAST_BODY = """
   const uint i = thread_position_in_grid.x;
   out[i] = static_cast<T>(static_cast<float>(inp[i]));
@@ -90,8 +87,13 @@ CAST_BODY = """
 
 def _cast(a: mx.array, dtype: mx.Dtype) -> mx.array:
     plan = plans.Plan(
-        kernel="harness_cast", inputs=[a], template=[("T", dtype)], grid=(a.size, 1, 1),
-        threadgroup=(64, 1, 1), output_shapes=[a.shape], output_dtypes=[dtype],
+        kernel="harness_cast",
+        inputs=[a],
+        template=[("T", dtype)],
+        grid=(a.size, 1, 1),
+        threadgroup=(64, 1, 1),
+        output_shapes=[a.shape],
+        output_dtypes=[dtype],
         finish=lambda outs: outs[0],
     )
     return harness.run(plan, source=CAST_BODY, spec=CAST_SPEC)[0]
@@ -105,8 +107,26 @@ def _bits(a: mx.array) -> np.ndarray:
 def test_shim_16bit_conversions_round_like_mlx(dtype):
     rng = np.random.default_rng(1)
     specials = np.array(
-        [0.0, -0.0, 1.0, -1.0, np.inf, -np.inf, 65504.0, 65519.99, 65520.0, 1e6, 6.1e-5, 6.0e-8,
-         2.9e-8, 3.0e-8, 1e-45, -1e-45, 1e-40, 3.4e38],
+        [
+            0.0,
+            -0.0,
+            1.0,
+            -1.0,
+            np.inf,
+            -np.inf,
+            65504.0,
+            65519.99,
+            65520.0,
+            1e6,
+            6.1e-5,
+            6.0e-8,
+            2.9e-8,
+            3.0e-8,
+            1e-45,
+            -1e-45,
+            1e-40,
+            3.4e38,
+        ],
         dtype=np.float32,
     )
     # Values exactly halfway between two 16-bit neighbours (ties go to even), and near-halfway.
@@ -114,11 +134,14 @@ def test_shim_16bit_conversions_round_like_mlx(dtype):
     exps = rng.integers(90, 160, size=4096, dtype=np.uint32)
     ties = (exps << 23) | (mant & ~np.uint32(0xFFFF)) | np.uint32(0x8000)
     ties_h = (exps << 23) | (mant & ~np.uint32(0x1FFF)) | np.uint32(0x1000)
-    values = np.concatenate([
-        specials,
-        ties.view(np.float32), ties_h.view(np.float32),
-        (rng.standard_normal(20000) * np.exp2(rng.integers(-30, 20, 20000))).astype(np.float32),
-    ])
+    values = np.concatenate(
+        [
+            specials,
+            ties.view(np.float32),
+            ties_h.view(np.float32),
+            (rng.standard_normal(20000) * np.exp2(rng.integers(-30, 20, 20000))).astype(np.float32),
+        ]
+    )
     x = mx.array(values)
     got, want = _cast(x, dtype), x.astype(dtype)
     assert np.array_equal(_bits(got), _bits(want))
@@ -134,8 +157,13 @@ def test_shim_rejects_half_arithmetic():
     body = "const uint i = thread_position_in_grid.x; out[i] = inp[i] * inp[i];"
     a = mx.ones((16,), mx.float16)
     plan = plans.Plan(
-        kernel="harness_cast", inputs=[a], template=[("T", mx.float16)], grid=(16, 1, 1),
-        threadgroup=(16, 1, 1), output_shapes=[(16,)], output_dtypes=[mx.float16],
+        kernel="harness_cast",
+        inputs=[a],
+        template=[("T", mx.float16)],
+        grid=(16, 1, 1),
+        threadgroup=(16, 1, 1),
+        output_shapes=[(16,)],
+        output_dtypes=[mx.float16],
         finish=lambda outs: outs[0],
     )
     with pytest.raises(harness.HarnessError, match="compiling"):
@@ -162,7 +190,10 @@ def test_generated_signature_mirrors_mlx():
     x = mx.zeros((1, 2, 16), mx.bfloat16)
     conv_plan = plans.plan_two_tap_conv(x, mx.zeros((1, 2, 2, 1)), mx.zeros((2, 16)))
     text, _, uses_barrier = harness.generate(
-        conv, plans.load_source(conv), conv_plan.inputs, conv_plan.output_dtypes,
+        conv,
+        plans.load_source(conv),
+        conv_plan.inputs,
+        conv_plan.output_dtypes,
         conv_plan.template,
     )
     assert not uses_barrier
@@ -176,10 +207,24 @@ def test_generated_signature_mirrors_mlx():
 # ---------------------------------------------------------------------------------------------
 
 CONV_SHAPES = [  # (N, L, H, G): block sizes 2..16, odd group counts, several N
-    (1, 2, 16, 1), (3, 3, 48, 3), (2, 4, 40, 5), (5, 5, 63, 7), (1, 6, 64, 16), (4, 7, 90, 9),
-    (2, 8, 80, 5), (3, 9, 33, 11), (1, 10, 32, 2), (7, 11, 75, 15), (2, 12, 48, 3),
-    (6, 13, 26, 13), (1, 14, 112, 7), (3, 15, 96, 3), (9, 16, 64, 1), (2, 16, 5120, 320),
-    (1, 1, 32, 2), (2, 2, 2, 1),
+    (1, 2, 16, 1),
+    (3, 3, 48, 3),
+    (2, 4, 40, 5),
+    (5, 5, 63, 7),
+    (1, 6, 64, 16),
+    (4, 7, 90, 9),
+    (2, 8, 80, 5),
+    (3, 9, 33, 11),
+    (1, 10, 32, 2),
+    (7, 11, 75, 15),
+    (2, 12, 48, 3),
+    (6, 13, 26, 13),
+    (1, 14, 112, 7),
+    (3, 15, 96, 3),
+    (9, 16, 64, 1),
+    (2, 16, 5120, 320),
+    (1, 1, 32, 2),
+    (2, 2, 2, 1),
 ]
 
 
@@ -202,8 +247,11 @@ def test_conv_matches_reference(dtype):
 
 def test_conv_mixed_dtypes_and_noncontiguous_inputs():
     rng = np.random.default_rng(3)
-    for xd, dd, bd in [(mx.bfloat16, mx.float32, mx.float32), (mx.float16, mx.bfloat16, mx.float32),
-                       (mx.float32, mx.bfloat16, mx.float16)]:
+    for xd, dd, bd in [
+        (mx.bfloat16, mx.float32, mx.float32),
+        (mx.float16, mx.bfloat16, mx.float32),
+        (mx.float32, mx.bfloat16, mx.float16),
+    ]:
         args = _conv_args(rng, 3, 8, 96, 3, xd, dd, bd)
         assert not harness.compare_conv(harness.two_tap_conv(*args), *args)
     # x given as a transposed view: ensure_row_contiguous copies it first
@@ -224,8 +272,7 @@ def test_conv_never_crosses_a_block_boundary():
 def test_unsupported_shapes_have_no_kernel_plan():
     x = mx.zeros((1, 4, 30))
     assert plans.plan_two_tap_conv(x, mx.zeros((1, 4, 2, 4)), mx.zeros((2, 30))) is None  # 30 % 4
-    assert plans.plan_two_tap_conv(x.astype(mx.int32), mx.zeros((1, 4, 2, 3)),
-                                     mx.zeros((2, 30))) is None
+    assert plans.plan_two_tap_conv(x.astype(mx.int32), mx.zeros((1, 4, 2, 3)), mx.zeros((2, 30))) is None
     rng = np.random.default_rng(21)
     pair = _pair_args(rng, 2, 3, 4, 8, 20)
     assert plans.plan_select_greedy(*pair) is not None
@@ -252,8 +299,14 @@ def test_conv_other_tap_counts_fall_back_to_reference():
 # ---------------------------------------------------------------------------------------------
 
 PAIR_SHAPES = [  # (N, R, k, r, V)
-    (1, 1, 1, 1, 5), (1, 15, 16, 256, 1000), (3, 7, 16, 256, 1000), (9, 3, 5, 7, 50),
-    (2, 15, 2, 33, 64), (8, 4, 16, 256, 1000), (4, 11, 9, 17, 200), (1, 2, 3, 4, 10),
+    (1, 1, 1, 1, 5),
+    (1, 15, 16, 256, 1000),
+    (3, 7, 16, 256, 1000),
+    (9, 3, 5, 7, 50),
+    (2, 15, 2, 33, 64),
+    (8, 4, 16, 256, 1000),
+    (4, 11, 9, 17, 200),
+    (1, 2, 3, 4, 10),
 ]
 
 
@@ -300,9 +353,7 @@ def test_greedy_ties_take_the_first_maximum():
     # zero pair term and all-equal unary: always the first candidate
     args[3] = mx.zeros_like(args[3])
     args[2] = mx.zeros_like(args[2])
-    np.testing.assert_array_equal(
-        np.array(harness.select_greedy(*args)), np.array(args[1][:, :, 0])
-    )
+    np.testing.assert_array_equal(np.array(harness.select_greedy(*args)), np.array(args[1][:, :, 0]))
 
 
 @pytest.mark.parametrize("shape", PAIR_SHAPES, ids=lambda s: "x".join(map(str, s)))
@@ -359,17 +410,28 @@ def test_wrong_conv_is_detected():
     got = harness.run_kernel("two_tap_conv", *args, source=wrong)
     assert harness.compare_conv(got, *args)
     # leaking the previous block's last row into the next block
-    wrong = _mutate("two_tap_conv", "float prev = 0.0f;", "float prev = n > 0 ? "
-                    "static_cast<float>(x[(size_t(n) * L - 1) * H + c]) : 0.0f;")
+    wrong = _mutate(
+        "two_tap_conv",
+        "float prev = 0.0f;",
+        "float prev = n > 0 ? static_cast<float>(x[(size_t(n) * L - 1) * H + c]) : 0.0f;",
+    )
     got = harness.run_kernel("two_tap_conv", *args, source=wrong)
     assert harness.compare_conv(got, *args)
     # bfloat16 truncation instead of round-to-nearest-even is beyond 1 ulp for some elements
     x, dyn, base = _conv_args(rng, 2, 8, 48, 3, mx.bfloat16)
-    wrong = _mutate("two_tap_conv", "static_cast<T>(k0 * cur + k1 * prev)",
-                    "static_cast<T>(k0 * cur + k1 * prev - 0.0039f * metal::abs(k0 * cur + k1 * prev))")
+    wrong = _mutate(
+        "two_tap_conv",
+        "static_cast<T>(k0 * cur + k1 * prev)",
+        "static_cast<T>(k0 * cur + k1 * prev - 0.0039f * metal::abs(k0 * cur + k1 * prev))",
+    )
     got = harness.run_kernel("two_tap_conv", x, dyn, base, source=wrong)
-    assert np.mean(np.array(got.astype(mx.float32)) ==
-                   np.array(reference.reference_two_tap_conv(x, dyn, base).astype(mx.float32))) < 0.999
+    assert (
+        np.mean(
+            np.array(got.astype(mx.float32))
+            == np.array(reference.reference_two_tap_conv(x, dyn, base).astype(mx.float32))
+        )
+        < 0.999
+    )
 
 
 def test_out_of_bounds_write_is_detected():
@@ -404,8 +466,11 @@ def test_missing_barrier_is_detected():
 def test_divergent_barrier_is_an_error():
     rng = np.random.default_rng(15)
     args = _pair_args(rng, 1, 3, 4, 8, 20)
-    wrong = _mutate("select_greedy", "threadgroup_barrier(mem_flags::mem_device);",
-                    "if (tid == 0) { threadgroup_barrier(mem_flags::mem_device); }")
+    wrong = _mutate(
+        "select_greedy",
+        "threadgroup_barrier(mem_flags::mem_device);",
+        "if (tid == 0) { threadgroup_barrier(mem_flags::mem_device); }",
+    )
     with pytest.raises(harness.HarnessError, match="not reached by every thread"):
         harness.run_kernel("select_greedy", *args, source=wrong)
 
@@ -418,8 +483,9 @@ def test_wrong_sampled_kernels_are_detected():
     wrong = _mutate("select_sampled", "below < K - 1 ? below : K - 1", "below")  # no clamp
     got_path, _ = harness.run_kernel("select_sampled", *args, uniforms, 0.7, source=wrong)
     assert harness.compare_paths(got_path, want_path)
-    wrong = _mutate("select_sampled", "scores[srow + b] / temp - m) / total",
-                    "scores[srow + b] * temp - m) / total")  # temperature applied wrongly
+    wrong = _mutate(
+        "select_sampled", "scores[srow + b] / temp - m) / total", "scores[srow + b] * temp - m) / total"
+    )  # temperature applied wrongly
     uniforms = mx.array(rng.random((2, 6)).astype(np.float32))
     _, got_q = harness.run_kernel("select_sampled", *args, uniforms, 0.7, source=wrong)
     assert harness.compare_q(got_q, reference.reference_select_sampled(*args, uniforms, 0.7)[1])
@@ -433,7 +499,9 @@ def test_wrong_sampled_kernels_are_detected():
 def test_sources_load_from_the_package_metal_folder():
     for name, spec in plans.KERNEL_SPECS.items():
         assert plans.load_source(name) == (REPO / "dflash2_mlx" / "kernels" / "metal" / spec.filename).read_text()
-    assert (REPO / "dflash2_mlx" / "kernels" / "metal" / "__init__.py").exists()  # package dflash2_mlx.kernels.metal (package data)
+    assert (
+        REPO / "dflash2_mlx" / "kernels" / "metal" / "__init__.py"
+    ).exists()  # package dflash2_mlx.kernels.metal (package data)
 
 
 def test_reference_on_this_machine(monkeypatch):
@@ -450,8 +518,9 @@ def test_reference_on_this_machine(monkeypatch):
         np.array(kernels.select_greedy(*pair)), np.array(reference.reference_select_greedy(*pair))
     )
     uniforms = mx.array(rng.random((2, 5)).astype(np.float32))
-    for got, want in zip(kernels.select_sampled(*pair, uniforms, 0.9),
-                         reference.reference_select_sampled(*pair, uniforms, 0.9)):
+    for got, want in zip(
+        kernels.select_sampled(*pair, uniforms, 0.9), reference.reference_select_sampled(*pair, uniforms, 0.9)
+    ):
         np.testing.assert_array_equal(np.array(got), np.array(want))
 
 
@@ -598,13 +667,18 @@ def test_self_check_passes_the_real_kernel_bodies_at_the_real_launch_widths(name
         assert args[0].shape == (1, 16, 5120) and args[1].shape == (1, 16, 2, 320)
     else:
         assert args[1].shape == (1, 15, 16) and args[3].shape == (1, 15, 256)
-    assert all(a.dtype == dtype for a in args if isinstance(a, mx.array) and a.dtype in (mx.float32, mx.float16, mx.bfloat16))
+    assert all(
+        a.dtype == dtype for a in args if isinstance(a, mx.array) and a.dtype in (mx.float32, mx.float16, mx.bfloat16)
+    )
 
 
-@pytest.mark.parametrize("name,old,new", [
-    ("two_tap_conv", "k1 * prev", "k1 * cur"),
-    ("select_greedy", "if (s > best)", "if (s < best)"),
-])
+@pytest.mark.parametrize(
+    "name,old,new",
+    [
+        ("two_tap_conv", "k1 * prev", "k1 * cur"),
+        ("select_greedy", "if (s > best)", "if (s < best)"),
+    ],
+)
 def test_self_check_rejects_a_wrong_kernel_body(name, old, new):
     source = _mutate(name, old, new)
     problem = selfcheck.check_kernel(name, mx.bfloat16, lambda plan: harness.run(plan, source=source))
@@ -693,8 +767,11 @@ def test_loading_a_pair_self_checks_the_dtypes_the_models_use(simulated_metal, e
     from dflash2_mlx.models.loading import load_pair
 
     target, drafter = load_pair(str(embedded_pair[0]), str(embedded_pair[1]))
-    dtypes = {str(a.dtype).split(".")[-1] for m in (target.runner.model, drafter)
-              for _, a in __import__("mlx.utils", fromlist=["tree_flatten"]).tree_flatten(m.parameters())}
+    dtypes = {
+        str(a.dtype).split(".")[-1]
+        for m in (target.runner.model, drafter)
+        for _, a in __import__("mlx.utils", fromlist=["tree_flatten"]).tree_flatten(m.parameters())
+    }
     checks = kernels.self_checks()
     for name in reference.KERNEL_NAMES:
         assert set(checks[name]) >= dtypes & {"float32", "float16", "bfloat16"}

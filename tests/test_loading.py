@@ -69,7 +69,7 @@ def _assert_identical(runner, prompt, spec: list[int], plain: list[int], what: s
         gap = f"{top2[1] - top2[0]:.3g}"
     pytest.fail(
         f"{what}: speculative output diverges from plain decoding at token {i} "
-        f"(spec {spec[i:i + 3]}, plain {plain[i:i + 3]}, lengths {len(spec)}/{len(plain)}, "
+        f"(spec {spec[i : i + 3]}, plain {plain[i : i + 3]}, lengths {len(spec)}/{len(plain)}, "
         f"target top-2 logit gap {gap})"
     )
 
@@ -87,9 +87,7 @@ def _set_norms(model: nn.Module, seed: int) -> None:
     mx.eval(model.parameters())
 
 
-ACTION = re.compile(
-    r"\b(give|pass|use|re-download|connect|unset|shorten|check|log in|accept)\b", re.I
-)
+ACTION = re.compile(r"\b(give|pass|use|re-download|connect|unset|shorten|check|log in|accept)\b", re.I)
 
 
 def _load_error(fn, *needles: str) -> str:
@@ -239,8 +237,15 @@ def quantized(request, root):
     save_config(qcfg, path / "config.json")
     tiny.write_tokenizer(path)
     target = load_target(str(path))
-    return {"family": family, "bits": bits, "group_size": group_size, "cfg": cfg,
-            "model": model, "target": target, "plain": {}}
+    return {
+        "family": family,
+        "bits": bits,
+        "group_size": group_size,
+        "cfg": cfg,
+        "model": model,
+        "target": target,
+        "plain": {},
+    }
 
 
 def _continuation(q, prompt_name: str, max_tokens: int) -> list[int]:
@@ -275,8 +280,13 @@ def test_quantized_speculative_with_dflash2_drafter_is_lossless(quantized, promp
     for block_size in (2, 5, 16):
         settings = GenerationSettings(max_tokens=24, block_size=block_size)
         spec = _tokens(generate_speculative(runner, drafter, PROMPTS[prompt_name], settings))
-        _assert_identical(runner, PROMPTS[prompt_name], spec, plain,
-                          f"{quantized['family']} {quantized['bits']}-bit, DFlash 2, block {block_size}")
+        _assert_identical(
+            runner,
+            PROMPTS[prompt_name],
+            spec,
+            plain,
+            f"{quantized['family']} {quantized['bits']}-bit, DFlash 2, block {block_size}",
+        )
 
 
 def _oracle_plan(block_size: int) -> list[int]:
@@ -432,9 +442,12 @@ def test_drafter_passed_as_target(root, drafter_dirs):
 def test_target_passed_as_drafter(hybrid_dirs, root):
     for layout in ("hf", "mlx"):
         path = hybrid_dirs[layout]
-        _load_error(lambda: load_drafter(str(path)), str(path), "not a DFlash drafter",
-                    "Qwen3_5ForConditionalGeneration")
-    plain = tiny.save_target(tiny.build_target(tiny.plain_config(), seed=3), tiny.plain_config(), root / "plain-as-drafter")
+        _load_error(
+            lambda: load_drafter(str(path)), str(path), "not a DFlash drafter", "Qwen3_5ForConditionalGeneration"
+        )
+    plain = tiny.save_target(
+        tiny.build_target(tiny.plain_config(), seed=3), tiny.plain_config(), root / "plain-as-drafter"
+    )
     _load_error(lambda: load_drafter(str(plain)), str(plain), "not a DFlash drafter", "Qwen3ForCausalLM")
 
 
@@ -552,8 +565,10 @@ def test_prompt_longer_than_the_context(short_context, length):
     assert runner.max_context == 32
     prompt = [7 + i % 200 for i in range(length)]
     settings = GenerationSettings(max_tokens=8)
-    for start in (lambda: generate_autoregressive(runner, prompt, settings),
-                  lambda: generate_speculative(runner, drafter, prompt, settings)):
+    for start in (
+        lambda: generate_autoregressive(runner, prompt, settings),
+        lambda: generate_speculative(runner, drafter, prompt, settings),
+    ):
         with pytest.raises(PromptTooLong) as excinfo:
             next(start())
         message = str(excinfo.value)

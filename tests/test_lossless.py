@@ -53,8 +53,10 @@ def plain_greedy():
 def _random_prompts(seed, n):
     """n (target kind, prompt) pairs; the same seed gives the same pairs in the same order."""
     rng = random.Random(seed)
-    return [(rng.choice(["hybrid", "plain"]), [rng.randrange(0, tiny.VOCAB - 4) for _ in range(rng.randint(1, 24))])
-            for _ in range(n)]
+    return [
+        (rng.choice(["hybrid", "plain"]), [rng.randrange(0, tiny.VOCAB - 4) for _ in range(rng.randint(1, 24))])
+        for _ in range(n)
+    ]
 
 
 def _assert_identical_or_near_tie(runner, prompt, spec, plain, settings):
@@ -67,7 +69,9 @@ def _assert_identical_or_near_tie(runner, prompt, spec, plain, settings):
     logits, _ = runner(mx.array([prompt + plain[:i]]), cache)
     top2 = mx.sort(logits[0, -1])[-2:]
     gap = float(top2[1] - top2[0])
-    assert gap < 1e-4, f"divergence at token {i}: spec {spec[i:i+3]} vs plain {plain[i:i+3]}, top-2 gap {gap:.3g} is no near-tie"
+    assert gap < 1e-4, (
+        f"divergence at token {i}: spec {spec[i : i + 3]} vs plain {plain[i : i + 3]}, top-2 gap {gap:.3g} is no near-tie"
+    )
 
 
 def _case(rng: random.Random, target, prompt, plain, record_counts):
@@ -131,6 +135,7 @@ def test_lossless_through_the_compiled_kernel_bodies(hybrid_target, plain_target
         def run(*args):
             calls[name] += 1
             return fn(*args)
+
         return run
 
     # 40 of the same random prompts (their plain continuations are decoded once, without the
@@ -147,8 +152,9 @@ def test_lossless_through_the_compiled_kernel_bodies(hybrid_target, plain_target
 
 
 @pytest.mark.parametrize("path", ["keep", "replay", "replay-gpu-paths"])
-def test_speculative_greedy_equals_plain_greedy_with_each_rollback_path(path, hybrid_target, plain_target,
-                                                                       plain_greedy, monkeypatch):
+def test_speculative_greedy_equals_plain_greedy_with_each_rollback_path(
+    path, hybrid_target, plain_target, plain_greedy, monkeypatch
+):
     """The same property with rollback forced to keep per-step states, to replay the recurrence
     (Metal's path), and to replay with every GPU code path the CPU can take (mlx-lm's
     gated_delta_update in the layer, RoPE and masks as on a GPU, the fused drafter attention):
@@ -235,7 +241,11 @@ def test_stop_tokens_and_max_tokens_clip_a_cycle(hybrid_target):
     dcfg = tiny.drafter_config(cfg, version=2)
     drafter = tiny.OracleDrafter(dcfg, prompt + plain, set())
     drafter.load_weights(tree_flatten(tiny.build_drafter(dcfg).parameters()))
-    events = list(generate_speculative(runner, drafter, prompt, GenerationSettings(max_tokens=30, block_size=8, stop_token_ids=[stop])))
+    events = list(
+        generate_speculative(
+            runner, drafter, prompt, GenerationSettings(max_tokens=30, block_size=8, stop_token_ids=[stop])
+        )
+    )
     assert _tokens(events) == plain[: first + 1]  # the stop token is included, nothing after it
     assert events[-1].finish_reason == "stop"
     drafter = tiny.OracleDrafter(dcfg, prompt + plain, set())
@@ -327,12 +337,26 @@ def test_logits_processors_and_stop_tokens_hold_across_plain_steps(hybrid_target
     drafter = tiny.OracleDrafter(dcfg, prompt + plain, {9, 16, 30})
     drafter.load_weights(tree_flatten(tiny.build_drafter(dcfg).parameters()))
     schedule = [1, 1, 1, 4, 4, 1, 6, 1, 1, 2, 8, 1, 1, 1]
-    spec = _tokens(generate_speculative(runner, drafter, prompt, GenerationSettings(
-        max_tokens=40, logits_processors=procs, policy=ScheduledBlocks(schedule))))
+    spec = _tokens(
+        generate_speculative(
+            runner,
+            drafter,
+            prompt,
+            GenerationSettings(max_tokens=40, logits_processors=procs, policy=ScheduledBlocks(schedule)),
+        )
+    )
     assert spec == plain
     stop = plain[2]  # emitted by the second plain step
-    events = list(generate_speculative(runner, drafter, prompt, GenerationSettings(
-        max_tokens=40, logits_processors=procs, stop_token_ids=[stop], policy=ScheduledBlocks(schedule))))
+    events = list(
+        generate_speculative(
+            runner,
+            drafter,
+            prompt,
+            GenerationSettings(
+                max_tokens=40, logits_processors=procs, stop_token_ids=[stop], policy=ScheduledBlocks(schedule)
+            ),
+        )
+    )
     assert _tokens(events) == plain[: plain.index(stop) + 1] and events[-1].finish_reason == "stop"
 
 
@@ -365,8 +389,11 @@ def test_blocks_drafted_after_a_plain_stretch_equal_those_of_a_run_that_never_le
     for name, schedule in (("speculating", [4]), ("switching", [4, 4, 4] + [1] * 40 + [4] * 6 + [1] * 3 + [4] * 20)):
         drafter = _RecordingDrafter(dcfg)
         drafter.load_weights(weights)
-        tokens = _tokens(generate_speculative(runner, drafter, [3, 1, 4, 1, 5], GenerationSettings(
-            max_tokens=90, policy=ScheduledBlocks(schedule))))
+        tokens = _tokens(
+            generate_speculative(
+                runner, drafter, [3, 1, 4, 1, 5], GenerationSettings(max_tokens=90, policy=ScheduledBlocks(schedule))
+            )
+        )
         runs[name] = (tokens, {int(p.item()): h for p, h in drafter.blocks})
     assert runs["speculating"][0] == runs["switching"][0]
     always, switching = runs["speculating"][1], runs["switching"][1]

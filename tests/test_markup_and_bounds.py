@@ -10,8 +10,15 @@ import pytest
 import tiny
 from server_helpers import qwen_style_checkpoint
 
-TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": {
-    "type": "object", "properties": {"city": {"type": "string"}, "days": {"type": "integer"}}}}}]
+TOOLS = [
+    {
+        "type": "function",
+        "function": {
+            "name": "get_weather",
+            "parameters": {"type": "object", "properties": {"city": {"type": "string"}, "days": {"type": "integer"}}},
+        },
+    }
+]
 
 
 @pytest.fixture(scope="module")
@@ -37,7 +44,7 @@ def _run(tok, text: str, piece: int, state="normal", tools=TOOLS, finish="stop",
 
     acc = Accumulator(tok, 1, OutputParser(tok, state, tools, forced_tool_calls=forced))
     for i in range(0, len(text), piece):
-        acc.add(Event(text[i:i + piece], finish if i + piece >= len(text) else None))
+        acc.add(Event(text[i : i + piece], finish if i + piece >= len(text) else None))
     return acc
 
 
@@ -67,8 +74,12 @@ def test_a_call_the_model_writes_by_itself_and_the_limit_cuts_off_is_a_partial_c
 def test_markup_the_limit_cuts_off_is_not_left_at_the_end_of_the_text(qwen_tokenizer):
     acc = _run(qwen_tokenizer, "Hello <|im_st", 4, finish="length")
     assert acc.content == "Hello "
-    acc = _run(qwen_tokenizer, 'A<tool_call>\n{"name": "get_weather", "arguments": {"city": "X"}}\n</tool_c', 4,
-               finish="length")
+    acc = _run(
+        qwen_tokenizer,
+        'A<tool_call>\n{"name": "get_weather", "arguments": {"city": "X"}}\n</tool_c',
+        4,
+        finish="length",
+    )
     assert acc.content == "A" and json.loads(acc.tool_calls[0]["arguments"]) == {"city": "X"}
 
 
@@ -88,8 +99,18 @@ def test_an_xml_call_cut_off_keeps_its_name_and_the_parameters_complete_so_far()
     from dflash2_mlx.server.chat import parse_tool_calls
     from dflash2_mlx.server.markup import unfinished_tool_call
 
-    tools = [{"type": "function", "function": {"name": "get_weather", "parameters": {
-        "type": "object", "properties": {"city": {"type": "string"}, "days": {"type": "integer"}}}}}]
+    tools = [
+        {
+            "type": "function",
+            "function": {
+                "name": "get_weather",
+                "parameters": {
+                    "type": "object",
+                    "properties": {"city": {"type": "string"}, "days": {"type": "integer"}},
+                },
+            },
+        }
+    ]
     parse = lambda body: parse_tool_calls(parse_tool_call, body, tools)  # noqa: E731
     head = "\n<function=get_weather>\n<parameter=days>\n3\n</parameter>\n"
     assert unfinished_tool_call(head + "<parameter=city>\nPar", parse) == ("get_weather", '{"days": 3}')
@@ -110,23 +131,33 @@ def test_each_api_reports_a_cut_off_call_in_its_own_shape(qwen_tokenizer):
     assert messages["stop_reason"] == "max_tokens"
     assert [(b["type"], b["input"]) for b in messages["content"]] == [("tool_use", {"days": 3})]
     req = ResponsesRequest(model="m", input="hi")
-    resp = ResponsesFormatter(_run(qwen_tokenizer, text, 5, finish="length"), req, Turn(chat={}, input_items=[]),
-                              16, None).body()
+    resp = ResponsesFormatter(
+        _run(qwen_tokenizer, text, 5, finish="length"), req, Turn(chat={}, input_items=[]), 16, None
+    ).body()
     assert resp["status"] == "incomplete" and resp["incomplete_details"] == {"reason": "max_output_tokens"}
     assert [(i["type"], i["status"]) for i in resp["output"]] == [("function_call", "incomplete")]
 
 
 # ---- bounded numbers ---------------------------------------------------------------------------
 
+
 def test_unbounded_numbers_get_bounds_and_a_schemas_own_bounds_are_kept():
     from dflash2_mlx.server.argument_bounds import LIMIT, bounded_numbers
 
-    schema = {"type": "object", "properties": {
-        "n": {"type": "integer"}, "x": {"type": ["number", "null"]}, "low": {"type": "integer", "minimum": 1},
-        "step": {"type": "number", "multipleOf": 0.5, "exclusiveMaximum": 10},
-        "huge": {"type": "integer", "minimum": 10**20}, "enum": {"enum": [1, 2]},
-        "list": {"type": "array", "items": {"$ref": "#/$defs/k"}}},
-        "$defs": {"k": {"type": "integer"}}, "required": ["n"]}
+    schema = {
+        "type": "object",
+        "properties": {
+            "n": {"type": "integer"},
+            "x": {"type": ["number", "null"]},
+            "low": {"type": "integer", "minimum": 1},
+            "step": {"type": "number", "multipleOf": 0.5, "exclusiveMaximum": 10},
+            "huge": {"type": "integer", "minimum": 10**20},
+            "enum": {"enum": [1, 2]},
+            "list": {"type": "array", "items": {"$ref": "#/$defs/k"}},
+        },
+        "$defs": {"k": {"type": "integer"}},
+        "required": ["n"],
+    }
     out = bounded_numbers(schema)
     props = out["properties"]
     assert props["n"] == {"type": "integer", "minimum": -LIMIT, "maximum": LIMIT}
@@ -161,15 +192,18 @@ def _accepts(schema: dict, text: str, tokenizer) -> bool:
     return matcher.is_accepting()
 
 
-@pytest.mark.parametrize("schema,text,ok", [
-    ({"type": "integer"}, "123456789012345", True),
-    ({"type": "integer"}, "-999999999999999", True),
-    ({"type": "integer"}, "1234567890123456", False),
-    ({"type": "number"}, "-3.141592653", True),
-    ({"type": "number"}, "123456789012345.5", True),
-    ({"type": "number"}, "3.1415926535", False),
-    ({"type": "number"}, "1234567890123456", False),
-    ({"type": "integer", "maximum": 10**18}, "1000000000000000000", True),
-])
+@pytest.mark.parametrize(
+    "schema,text,ok",
+    [
+        ({"type": "integer"}, "123456789012345", True),
+        ({"type": "integer"}, "-999999999999999", True),
+        ({"type": "integer"}, "1234567890123456", False),
+        ({"type": "number"}, "-3.141592653", True),
+        ({"type": "number"}, "123456789012345.5", True),
+        ({"type": "number"}, "3.1415926535", False),
+        ({"type": "number"}, "1234567890123456", False),
+        ({"type": "integer", "maximum": 10**18}, "1000000000000000000", True),
+    ],
+)
 def test_the_grammar_enforces_the_digit_bounds(byte_tokenizer, schema, text, ok):
     assert _accepts(schema, text, byte_tokenizer) is ok

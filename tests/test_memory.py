@@ -13,17 +13,26 @@ from dflash2_mlx.models import memory, presets
 
 
 def _cli(*args, env=None, timeout=120):
-    return subprocess.run([sys.executable, "-m", "dflash2_mlx", *args], capture_output=True, text=True,
-                          timeout=timeout, env={**os.environ, **(env or {})})
+    return subprocess.run(
+        [sys.executable, "-m", "dflash2_mlx", *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env={**os.environ, **(env or {})},
+    )
 
 
 PRESET = presets.get_preset("qwen3.8-27b")
 
 
-@pytest.mark.parametrize("command", [
-    ["generate", "--prompt", "hi", "--preset", "qwen3.8-27b"],
-    ["serve", "--port", "0", "--model", PRESET.target, "--draft-model", PRESET.drafter],
-], ids=["generate", "serve"])
+@pytest.mark.parametrize(
+    "command",
+    [
+        ["generate", "--prompt", "hi", "--preset", "qwen3.8-27b"],
+        ["serve", "--port", "0", "--model", PRESET.target, "--draft-model", PRESET.drafter],
+    ],
+    ids=["generate", "serve"],
+)
 def test_the_27b_preset_is_refused_in_one_line_with_8_gb_before_any_download(command, tmp_path):
     """Offline, with an empty Hugging Face cache: had a download been attempted, the error would
     be the offline-mode one; the memory line comes first."""
@@ -33,7 +42,11 @@ def test_the_27b_preset_is_refused_in_one_line_with_8_gb_before_any_download(com
     lines = result.stderr.strip().splitlines()
     assert len(lines) == 1, result.stderr
     line = lines[0]
-    assert line.startswith("error: ") and " needs about " in line and "this machine has 8.0 GB (DFLASH2_MLX_MEMORY_GB)" in line
+    assert (
+        line.startswith("error: ")
+        and " needs about " in line
+        and "this machine has 8.0 GB (DFLASH2_MLX_MEMORY_GB)" in line
+    )
     assert "smaller quantization" in line and "--max-context" in line
     assert "offline" not in line and not (tmp_path / "hf" / "hub").exists()
 
@@ -71,8 +84,14 @@ def test_the_27b_preset_fits_a_32_gb_mac_at_32k_and_not_a_24_gb_one():
     """Weights 15 + 3.7 GB, KV 2 GiB per 32K tokens, 48 recurrent states of 3 MiB: on a Mac
     (rollback by replay, no kept verify states) about 22.6 GB with the 10% margin."""
     preset = presets.get_preset("qwen3.8-27b")
-    needed = memory.plan(preset.target_shape, preset.target_bytes, preset.drafter_shape, preset.drafter_bytes,
-                         32768, keeps_verify_states=False)
+    needed = memory.plan(
+        preset.target_shape,
+        preset.target_bytes,
+        preset.drafter_shape,
+        preset.drafter_bytes,
+        32768,
+        keeps_verify_states=False,
+    )
     assert needed.kv_cache == 2 * 2**30
     assert needed.gdn_states == 48 * (3 * 2**20 + 3 * 10240 * 2)
     assert needed.drafter_context == 2 * 5 * 8 * 128 * 2 * 2047
@@ -81,8 +100,14 @@ def test_the_27b_preset_fits_a_32_gb_mac_at_32k_and_not_a_24_gb_one():
     with pytest.raises(memory.DoesNotFit):
         memory.check_fits(needed, 22 * 10**9, "test", "preset")
     # the CPU's kept verify states (16 rows x 48 MiB per layer... 48 layers) add 2.25 GiB
-    kept = memory.plan(preset.target_shape, preset.target_bytes, preset.drafter_shape, preset.drafter_bytes,
-                       32768, keeps_verify_states=True)
+    kept = memory.plan(
+        preset.target_shape,
+        preset.target_bytes,
+        preset.drafter_shape,
+        preset.drafter_bytes,
+        32768,
+        keeps_verify_states=True,
+    )
     assert kept.verify_states == int(2.25 * 2**30)
 
 

@@ -63,8 +63,9 @@ def test_an_8_row_verify_pass_runs_at_most_545_ops(primed):
     def verify():
         cache.restore(snapshot)
         record = []
-        logits, features = runner(mx.array([list(range(5, 13))], dtype=mx.int32), cache,
-                                  drafter.config.target_layer_ids, record)
+        logits, features = runner(
+            mx.array([list(range(5, 13))], dtype=mx.int32), cache, drafter.config.target_layer_ids, record
+        )
         outputs = [mx.argmax(logits, axis=-1), features, *[r.states for r in record]]
         count = op_count(*outputs)
         mx.eval(outputs)

@@ -32,8 +32,12 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-torch = pytest.importorskip("torch", reason="needs the parity extra: pip install -e '.[parity]' && pip install --no-deps dflash==0.1.0")
-pytest.importorskip("dflash.model", reason="needs the parity extra: pip install -e '.[parity]' && pip install --no-deps dflash==0.1.0")
+torch = pytest.importorskip(
+    "torch", reason="needs the parity extra: pip install -e '.[parity]' && pip install --no-deps dflash==0.1.0"
+)
+pytest.importorskip(
+    "dflash.model", reason="needs the parity extra: pip install -e '.[parity]' && pip install --no-deps dflash==0.1.0"
+)
 
 import tiny
 from dflash.model import DFlash2DraftModel, DFlashDraftModel, _crop_to, _draft_value, _make_cache, _raw_input_embeddings
@@ -202,8 +206,11 @@ class _Harness:
             noise = _raw_input_embeddings(self.stub, torch.from_numpy(ids), scale)
             positions = torch.arange(self.start - n, self.start + block)[None]
             h_ref = ref(
-                target_hidden=torch.from_numpy(features), noise_embedding=noise,
-                position_ids=positions, past_key_values=self.ref_cache, use_cache=True,
+                target_hidden=torch.from_numpy(features),
+                noise_embedding=noise,
+                position_ids=positions,
+                past_key_values=self.ref_cache,
+                use_cache=True,
             )
             _crop_to(self.ref_cache, self.start)
             l_ref = ref.compute_logits(h_ref, self.head_torch)
@@ -329,7 +336,7 @@ def test_context_skip_matches_full_context(pairs, name):
     prompt = harness.features(20)
     harness.ours_cache.skip(20 - (WINDOW - 1))
     diffs = []
-    h_ours, l_ours, h_ref, l_ref, _ = harness.cycle(prompt, block, ours_features=prompt[:, -(WINDOW - 1):])
+    h_ours, l_ours, h_ref, l_ref, _ = harness.cycle(prompt, block, ours_features=prompt[:, -(WINDOW - 1) :])
     diffs.append((_maxdiff(h_ours, h_ref), _maxdiff(l_ours, l_ref)))
     for n in (2, 4):
         h_ours, l_ours, h_ref, l_ref, _ = harness.cycle(harness.features(n), block)

@@ -39,8 +39,12 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-torch = pytest.importorskip("torch", reason="needs the parity extra: pip install -e '.[parity]' && pip install --no-deps dflash==0.1.0")
-pytest.importorskip("transformers", reason="needs the parity extra: pip install -e '.[parity]' && pip install --no-deps dflash==0.1.0")
+torch = pytest.importorskip(
+    "torch", reason="needs the parity extra: pip install -e '.[parity]' && pip install --no-deps dflash==0.1.0"
+)
+pytest.importorskip(
+    "transformers", reason="needs the parity extra: pip install -e '.[parity]' && pip install --no-deps dflash==0.1.0"
+)
 
 import tiny
 from transformers import Qwen3_5Config, Qwen3_5ForConditionalGeneration, Qwen3Config, Qwen3ForCausalLM
@@ -88,15 +92,23 @@ def _randomize(model: torch.nn.Module, seed: int, qk_tie: dict | None = None, ze
 def _hybrid():
     text = dict(tiny.hybrid_config(layers=8)["text_config"])
     vision = dict(
-        depth=1, hidden_size=16, intermediate_size=32, num_heads=2, out_hidden_size=text["hidden_size"],
-        patch_size=2, temporal_patch_size=1, spatial_merge_size=1, num_position_embeddings=16,
+        depth=1,
+        hidden_size=16,
+        intermediate_size=32,
+        num_heads=2,
+        out_hidden_size=text["hidden_size"],
+        patch_size=2,
+        temporal_patch_size=1,
+        spatial_merge_size=1,
+        num_position_embeddings=16,
     )
     config = Qwen3_5Config(text_config=text, vision_config=vision, tie_word_embeddings=False)
     torch.manual_seed(0)
     model = Qwen3_5ForConditionalGeneration(config).float().eval()
     key_dim = text["linear_num_key_heads"] * text["linear_key_head_dim"]
-    _randomize(model, seed=1, zero_centred=True,
-               qk_tie={"in_proj_qkv.weight": key_dim, "linear_attn.conv1d.weight": key_dim})
+    _randomize(
+        model, seed=1, zero_centred=True, qk_tie={"in_proj_qkv.weight": key_dim, "linear_attn.conv1d.weight": key_dim}
+    )
     return model, config.text_config.layer_types
 
 
@@ -187,11 +199,17 @@ def test_runner_matches_transformers(models, schedule, against):
     dl = float(np.abs(logits - ref_logits).max())
     hidden = features.shape[-1] // len(models.taps)
     per_layer = [
-        float(np.abs(features[..., i * hidden : (i + 1) * hidden] - ref_features[..., i * hidden : (i + 1) * hidden]).max())
+        float(
+            np.abs(
+                features[..., i * hidden : (i + 1) * hidden] - ref_features[..., i * hidden : (i + 1) * hidden]
+            ).max()
+        )
         for i in range(len(models.taps))
     ]
-    print(f"{models.runner.kinds} {schedule} vs transformers {against}: logits {dl:.1e} "
-          f"taps {' '.join(f'{d:.1e}' for d in per_layer)} (|logits| {np.abs(ref_logits).max():.1f})")
+    print(
+        f"{models.runner.kinds} {schedule} vs transformers {against}: logits {dl:.1e} "
+        f"taps {' '.join(f'{d:.1e}' for d in per_layer)} (|logits| {np.abs(ref_logits).max():.1f})"
+    )
     assert dl <= TOL, f"logits differ by {dl:.2e}"
     assert max(per_layer) <= TOL, f"tapped hidden states differ: {per_layer}"
     # and the same argmax wherever transformers' top two are not a float near-tie

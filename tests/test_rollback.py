@@ -20,7 +20,9 @@ def _assert_caches_equal(got, want, atol=1e-4):
         if kind == "attention":
             assert a.offset == b.offset, f"layer {i}: KV offset {a.offset} != {b.offset}"
             for x, y in ((a.keys, b.keys), (a.values, b.values)):
-                np.testing.assert_allclose(np.array(x[..., : a.offset, :]), np.array(y[..., : b.offset, :]), atol=atol, err_msg=f"layer {i} KV")
+                np.testing.assert_allclose(
+                    np.array(x[..., : a.offset, :]), np.array(y[..., : b.offset, :]), atol=atol, err_msg=f"layer {i} KV"
+                )
         else:
             np.testing.assert_allclose(np.array(a[0]), np.array(b[0]), atol=atol, err_msg=f"layer {i} conv window")
             np.testing.assert_allclose(np.array(a[1]), np.array(b[1]), atol=atol, err_msg=f"layer {i} recurrent state")
@@ -234,15 +236,19 @@ def test_kept_step_states_are_mlx_lms_recurrence_bit_for_bit(steps):
     q, k = (mx.array(rng.normal(size=(1, steps, Hk, Dk)).astype(np.float32) * 0.2) for _ in range(2))
     v = mx.array(rng.normal(size=(1, steps, Hv, Dv)).astype(np.float32))
     a, b = (mx.array(rng.normal(size=(1, steps, Hv)).astype(np.float32)) for _ in range(2))
-    A_log, dt_bias = mx.array(rng.normal(size=(Hv,)).astype(np.float32)), mx.array(rng.normal(size=(Hv,)).astype(np.float32))
+    A_log, dt_bias = (
+        mx.array(rng.normal(size=(Hv,)).astype(np.float32)),
+        mx.array(rng.normal(size=(Hv,)).astype(np.float32)),
+    )
     state = mx.array(rng.normal(size=(1, Hv, Dv, Dk)).astype(np.float32))
     out, states = gated_delta_with_states(q, k, v, a, b, A_log, dt_bias, state)
     ref_out, ref_state = gated_delta_update(q, k, v, a, b, A_log, dt_bias, state)
     assert states.shape[1] == steps
     assert mx.array_equal(out, ref_out) and mx.array_equal(states[:, -1], ref_state)
     for t in range(steps):
-        _, prefix_state = gated_delta_update(q[:, : t + 1], k[:, : t + 1], v[:, : t + 1], a[:, : t + 1], b[:, : t + 1],
-                                             A_log, dt_bias, state)
+        _, prefix_state = gated_delta_update(
+            q[:, : t + 1], k[:, : t + 1], v[:, : t + 1], a[:, : t + 1], b[:, : t + 1], A_log, dt_bias, state
+        )
         assert mx.array_equal(states[:, t], prefix_state)
 
 

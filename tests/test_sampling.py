@@ -119,7 +119,7 @@ def _exact_joint(runner, prompt, n_tokens, sampling, vocab):
             if p[t] == 0:
                 continue
             if depth + 1 == n_tokens:
-                table[tuple(prefix[len(prompt):] + [t])] = mass * p[t]
+                table[tuple(prefix[len(prompt) :] + [t])] = mass * p[t]
             else:
                 walk(prefix + [t], mass * p[t])
 

@@ -70,11 +70,19 @@ def _tokens(events):
 def test_interleaved_generations_with_a_shared_prefix_cache_equal_their_solo_runs(pair, seed):
     rng = random.Random(seed)
     shared = [rng.randrange(1, 200) for _ in range(5)]  # requests share a prefix: the cache is used mid-flight
-    specs = [(shared + [rng.randrange(1, 200) for _ in range(rng.randrange(1, 12))], rng.randrange(3, 20),
-              rng.random() < 0.7) for _ in range(4)]
+    specs = [
+        (
+            shared + [rng.randrange(1, 200) for _ in range(rng.randrange(1, 12))],
+            rng.randrange(3, 20),
+            rng.random() < 0.7,
+        )
+        for _ in range(4)
+    ]
     solo = [_tokens(_generation(pair, p, n, spec)) for p, n, spec in specs]
     cache = PrefixCache()
-    running = {i: _generation(pair, p, n, spec, cache, yield_during_prefill=True) for i, (p, n, spec) in enumerate(specs)}
+    running = {
+        i: _generation(pair, p, n, spec, cache, yield_during_prefill=True) for i, (p, n, spec) in enumerate(specs)
+    }
     got = {i: [] for i in running}
     pauses = 0
     while running:

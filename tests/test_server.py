@@ -26,12 +26,32 @@ def server(embedded_pair, tmp_path_factory):
     """A real `serve` process on the embedded tiny pair (served also as "target" and "tiny-alias")."""
     target, drafter = embedded_pair
     log = tmp_path_factory.mktemp("serve") / "server.log"
-    args = ["--model", str(target), "--draft-model", str(drafter), "--api-key", KEY,
-            "--served-model-name", "target", "--served-model-name", "tiny-alias", "--max-context", str(MAX_CONTEXT), "--max-queue", "2", "--max-concurrent", "1",
-            "--default-max-tokens", "16", "--request-timeout", "60",
-            # the fixed loop: its statistics and seeded draws do not depend on measured timings
-            # (the break-even controller's block sizes do; tests/test_controller.py covers it)
-            "--block-size", "8"]
+    args = [
+        "--model",
+        str(target),
+        "--draft-model",
+        str(drafter),
+        "--api-key",
+        KEY,
+        "--served-model-name",
+        "target",
+        "--served-model-name",
+        "tiny-alias",
+        "--max-context",
+        str(MAX_CONTEXT),
+        "--max-queue",
+        "2",
+        "--max-concurrent",
+        "1",
+        "--default-max-tokens",
+        "16",
+        "--request-timeout",
+        "60",
+        # the fixed loop: its statistics and seeded draws do not depend on measured timings
+        # (the break-even controller's block sizes do; tests/test_controller.py covers it)
+        "--block-size",
+        "8",
+    ]
     with running_server(args, log) as srv:
         yield srv
     assert "Traceback" not in srv.log_text(), srv.log_text()[-3000:]
@@ -64,6 +84,7 @@ def chat(client, content="Write a short poem.", **kw):
 
 # ---- OpenAI API against the real process -------------------------------------------------------
 
+
 def test_models_health_and_auth(server, client):
     assert httpx.get(server.base + "/health").json()["status"] == "ok"
     ids = [m.id for m in client.models.list().data]
@@ -85,7 +106,10 @@ def test_chat_stream_equals_complete_with_usage_and_speculative(client):
     spec = full.model_extra["speculative"]
     assert set(spec) == {"acceptance_length", "verify_steps", "draft_tokens", "accepted_tokens", "controller"}
     controller = spec["controller"]  # the break-even controller decides each cycle (plain steps count too)
-    assert controller["policy"] == "fixed" and sum(controller["tokens_by_mode"].values()) >= full.usage.completion_tokens - 1
+    assert (
+        controller["policy"] == "fixed"
+        and sum(controller["tokens_by_mode"].values()) >= full.usage.completion_tokens - 1
+    )
     chunks = list(chat(client, stream=True, stream_options={"include_usage": True}))
     text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
     assert text == choice.message.content
@@ -99,9 +123,25 @@ def test_chat_stream_equals_complete_with_usage_and_speculative(client):
 def test_greedy_equals_generate_no_draft(server, client, embedded_pair):
     target, _ = embedded_pair
     prompt = "def fib(n):"
-    out = subprocess.run([sys.executable, "-m", "dflash2_mlx", "generate", "--model", str(target), "--no-draft",
-                          "--json", "--prompt", prompt, "--max-tokens", "40"],
-                         capture_output=True, text=True, timeout=120)
+    out = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "dflash2_mlx",
+            "generate",
+            "--model",
+            str(target),
+            "--no-draft",
+            "--json",
+            "--prompt",
+            prompt,
+            "--max-tokens",
+            "40",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert out.returncode == 0, out.stderr
     ref = json.loads(out.stdout)
     got = chat(client, prompt, max_tokens=40)
@@ -119,7 +159,10 @@ def test_completions_stream_stop_and_default_max_tokens(client):
     assert "".join(c.choices[0].text for c in streamed if c.choices) == text
     assert streamed[-1].usage.completion_tokens == full.usage.completion_tokens
     # a stop string taken from the greedy output cuts the text right before it
-    stop = next((text[i:i + 2] for i in range(3, len(text) - 2) if text[i:i + 2].isprintable() and text[i:i + 2].strip()), None)
+    stop = next(
+        (text[i : i + 2] for i in range(3, len(text) - 2) if text[i : i + 2].isprintable() and text[i : i + 2].strip()),
+        None,
+    )
     if stop is not None:
         cut = client.completions.create(max_tokens=32, stop=[stop, "\x00never"], **kw)
         assert cut.choices[0].text == text[: text.index(stop)]
@@ -130,8 +173,10 @@ def test_completions_stream_stop_and_default_max_tokens(client):
 
 
 def test_seed_reproduces_sampled_output(client):
-    runs = [chat(client, "Tell me a story.", temperature=1.0, top_p=0.95, seed=s, max_tokens=24).choices[0].message.content
-            for s in (1234, 1234, 99)]
+    runs = [
+        chat(client, "Tell me a story.", temperature=1.0, top_p=0.95, seed=s, max_tokens=24).choices[0].message.content
+        for s in (1234, 1234, 99)
+    ]
     assert runs[0] == runs[1]
 
 
@@ -154,7 +199,12 @@ def test_anthropic_messages(server):
     anthropic = pytest.importorskip("anthropic")
     c = anthropic.Anthropic(base_url=server.base, api_key=KEY, max_retries=0)
     # greedy: the embedded pair samples by default, and the two requests must give the same text
-    kw = dict(model="tiny-alias", max_tokens=20, extra_body={"temperature": 0}, messages=[{"role": "user", "content": "Hi there"}])
+    kw = dict(
+        model="tiny-alias",
+        max_tokens=20,
+        extra_body={"temperature": 0},
+        messages=[{"role": "user", "content": "Hi there"}],
+    )
     msg = c.messages.create(**kw)
     assert msg.type == "message" and msg.role == "assistant"
     assert msg.stop_reason in ("max_tokens", "end_turn")
@@ -185,7 +235,10 @@ def _bad_requests():
         "unknown role": {**ok, "messages": [{"role": "robot", "content": "hi"}]},
         "content number": {**ok, "messages": [{"role": "user", "content": 5}]},
         "content object": {**ok, "messages": [{"role": "user", "content": {"a": 1}}]},
-        "image part": {**ok, "messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]},
+        "image part": {
+            **ok,
+            "messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}],
+        },
         "text part without text": {**ok, "messages": [{"role": "user", "content": [{"type": "text"}]}]},
         "model number": {**ok, "model": 7},
         "unknown model": {**ok, "model": "gpt-4o"},
@@ -218,8 +271,11 @@ def _bad_requests():
         "response_format json_schema": {**ok, "response_format": {"type": "json_schema", "json_schema": {}}},
         "tools not a list": {**ok, "tools": {"a": 1}},
         "tool without function": {**ok, "tools": [{"type": "function"}]},
-        "tool_choice unknown name": {**ok, "tools": [{"type": "function", "function": {"name": "f"}}],
-                                     "tool_choice": {"type": "function", "function": {"name": "g"}}},
+        "tool_choice unknown name": {
+            **ok,
+            "tools": [{"type": "function", "function": {"name": "f"}}],
+            "tool_choice": {"type": "function", "function": {"name": "g"}},
+        },
         "tool_choice without tools": {**ok, "tool_choice": "required"},
         "reserved template kwarg": {**ok, "chat_template_kwargs": {"tokenize": False}},
         "seed too large": {**ok, "seed": 2**70},
@@ -228,16 +284,19 @@ def _bad_requests():
     }
     cases = [(name, "POST", "/v1/chat/completions", body, {}) for name, body in chat_cases.items()]
     comp = {"model": "target", "prompt": "hi", "max_tokens": 4}
-    cases += [(name, "POST", "/v1/completions", body, {}) for name, body in {
-        "completion prompt missing": {"model": "target"},
-        "completion two prompts": {**comp, "prompt": ["a", "b"]},
-        "completion empty prompt": {**comp, "prompt": ""},
-        "completion token ids outside vocab": {**comp, "prompt": [1, 2, 99999]},
-        "completion echo": {**comp, "echo": True},
-        "completion best_of": {**comp, "best_of": 3},
-        "completion logprobs 99": {**comp, "logprobs": 99},
-        "completion prompt over context": {**comp, "prompt": "y" * (MAX_CONTEXT + 10)},
-    }.items()]
+    cases += [
+        (name, "POST", "/v1/completions", body, {})
+        for name, body in {
+            "completion prompt missing": {"model": "target"},
+            "completion two prompts": {**comp, "prompt": ["a", "b"]},
+            "completion empty prompt": {**comp, "prompt": ""},
+            "completion token ids outside vocab": {**comp, "prompt": [1, 2, 99999]},
+            "completion echo": {**comp, "echo": True},
+            "completion best_of": {**comp, "best_of": 3},
+            "completion logprobs 99": {**comp, "logprobs": 99},
+            "completion prompt over context": {**comp, "prompt": "y" * (MAX_CONTEXT + 10)},
+        }.items()
+    ]
     cases += [
         ("invalid JSON", "POST", "/v1/chat/completions", b"{not json", {}),
         ("truncated JSON", "POST", "/v1/chat/completions", b'{"model": "target", "messages": [', {}),
@@ -247,20 +306,40 @@ def _bad_requests():
         ("empty body", "POST", "/v1/chat/completions", b"", {}),
         ("non-UTF-8 bytes", "POST", "/v1/chat/completions", b'{"model": "\xff\xfe"}', {}),
         ("deep nesting", "POST", "/v1/chat/completions", b"[" * 100000 + b"]" * 100000, {}),
-        ("huge integer", "POST", "/v1/chat/completions", b'{"model": "target", "max_tokens": ' + b"9" * 5000 + b"}", {}),
-        ("oversized body", "POST", "/v1/chat/completions",
-         json.dumps({**ok, "messages": [{"role": "user", "content": "z" * (5 * 2**20)}]}).encode(), {}),
+        (
+            "huge integer",
+            "POST",
+            "/v1/chat/completions",
+            b'{"model": "target", "max_tokens": ' + b"9" * 5000 + b"}",
+            {},
+        ),
+        (
+            "oversized body",
+            "POST",
+            "/v1/chat/completions",
+            json.dumps({**ok, "messages": [{"role": "user", "content": "z" * (5 * 2**20)}]}).encode(),
+            {},
+        ),
         ("unknown route", "POST", "/v1/engines/foo", ok, {}),
         ("unknown GET route", "GET", "/v2/models", None, {}),
         ("wrong method", "GET", "/v1/chat/completions", None, {}),
         ("unknown model card", "GET", "/v1/models/nope", None, {}),
         ("missing key", "POST", "/v1/chat/completions", ok, {"Authorization": ""}),
         ("wrong key", "POST", "/v1/chat/completions", ok, {"Authorization": "Bearer nope"}),
-        ("anthropic missing max_tokens type", "POST", "/v1/messages",
-         {"model": "target", "max_tokens": "x", "messages": [{"role": "user", "content": "hi"}]}, {"x-api-key": KEY}),
-        ("anthropic image", "POST", "/v1/messages",
-         {"model": "target", "max_tokens": 4, "messages": [{"role": "user", "content": [{"type": "image"}]}]},
-         {"x-api-key": KEY}),
+        (
+            "anthropic missing max_tokens type",
+            "POST",
+            "/v1/messages",
+            {"model": "target", "max_tokens": "x", "messages": [{"role": "user", "content": "hi"}]},
+            {"x-api-key": KEY},
+        ),
+        (
+            "anthropic image",
+            "POST",
+            "/v1/messages",
+            {"model": "target", "max_tokens": 4, "messages": [{"role": "user", "content": [{"type": "image"}]}]},
+            {"x-api-key": KEY},
+        ),
     ]
     return cases
 
@@ -287,16 +366,24 @@ def test_bad_inputs_get_4xx_and_the_server_keeps_serving(server):
                 assert r.status_code == 413
             if name in ("unknown model", "unknown route", "unknown model card"):
                 assert r.status_code == 404
-        r = h.post("/v1/chat/completions", headers=auth(),
-                   json={"model": "target", "messages": [{"role": "user", "content": "still there?"}], "max_tokens": 4})
+        r = h.post(
+            "/v1/chat/completions",
+            headers=auth(),
+            json={"model": "target", "messages": [{"role": "user", "content": "still there?"}], "max_tokens": 4},
+        )
         assert r.status_code == 200 and r.json()["choices"][0]["message"]["content"] is not None
     assert httpx.get(server.base + "/health").status_code == 200
 
 
 def test_queue_full_429_and_disconnect_cancels(server, end_bias):
     # With its end tokens banned, a completion runs until it is cancelled (or reaches the context).
-    body = {"model": "target", "prompt": "class Parser:\n    def __init__(self", "max_tokens": 100000,
-            "stream": True, "logit_bias": end_bias}
+    body = {
+        "model": "target",
+        "prompt": "class Parser:\n    def __init__(self",
+        "max_tokens": 100000,
+        "stream": True,
+        "logit_bias": end_bias,
+    }
     before = labelled(server.base, "dflash2_mlx_generations_total").get('{finish_reason="cancelled"}', 0)
     statuses, together = [], threading.Barrier(6)
 
@@ -337,8 +424,13 @@ def test_queue_full_429_and_disconnect_cancels(server, end_bias):
     m = metrics(server.base)
     assert m["dflash2_mlx_queue_depth"] == 0
     text = httpx.get(server.base + "/metrics").text
-    for name in ("dflash2_mlx_requests_total{", "dflash2_mlx_generation_tokens_total", "dflash2_mlx_decode_tokens_per_second",
-                 "dflash2_mlx_cycle_acceptance_length_bucket{", "dflash2_mlx_queue_depth"):
+    for name in (
+        "dflash2_mlx_requests_total{",
+        "dflash2_mlx_generation_tokens_total",
+        "dflash2_mlx_decode_tokens_per_second",
+        "dflash2_mlx_cycle_acceptance_length_bucket{",
+        "dflash2_mlx_queue_depth",
+    ):
         assert name in text
 
 
@@ -347,9 +439,19 @@ def test_sigterm_during_a_stream_ends_it_cleanly(server, end_bias):
     lines, done = [], threading.Event()
 
     def reader():
-        with httpx.stream("POST", server.base + "/v1/completions", timeout=60, headers=auth(),
-                          json={"model": "target", "prompt": "class Parser:\n    def __init__(self",
-                                "max_tokens": 100000, "stream": True, "logit_bias": end_bias}) as r:
+        with httpx.stream(
+            "POST",
+            server.base + "/v1/completions",
+            timeout=60,
+            headers=auth(),
+            json={
+                "model": "target",
+                "prompt": "class Parser:\n    def __init__(self",
+                "max_tokens": 100000,
+                "stream": True,
+                "logit_bias": end_bias,
+            },
+        ) as r:
             for line in r.iter_lines():
                 lines.append(line)
         done.set()
@@ -370,6 +472,7 @@ def test_sigterm_during_a_stream_ends_it_cleanly(server, end_bias):
 
 
 # ---- in process: tool calls, reasoning, prefix cache, JSON mode, fuzzing -----------------------
+
 
 @pytest.fixture(scope="module")
 def qwen_dir(tiny_checkpoints, tmp_path_factory):
@@ -394,16 +497,26 @@ def qwen_apps(qwen_dir, tiny_checkpoints):
     """Three servers on the Qwen-style checkpoint: speculative + prefix cache, speculative without
     the cache, plain decoding without the cache."""
     drafter = tiny_checkpoints[1]
-    clients = {"cached": _app(qwen_dir, drafter, prefix_cache_gb=1, max_context=1024),
-               "uncached": _app(qwen_dir, drafter, prefix_cache_gb=0, max_context=1024),
-               "plain": _app(qwen_dir, None, prefix_cache_gb=0, max_context=1024)}
+    clients = {
+        "cached": _app(qwen_dir, drafter, prefix_cache_gb=1, max_context=1024),
+        "uncached": _app(qwen_dir, drafter, prefix_cache_gb=0, max_context=1024),
+        "plain": _app(qwen_dir, None, prefix_cache_gb=0, max_context=1024),
+    }
     yield clients
     for c in clients.values():
         c.__exit__(None, None, None)
 
 
-TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "Weather for a city",
-                                           "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}}]
+TOOLS = [
+    {
+        "type": "function",
+        "function": {
+            "name": "get_weather",
+            "description": "Weather for a city",
+            "parameters": {"type": "object", "properties": {"city": {"type": "string"}}},
+        },
+    }
+]
 
 
 def _post(client, body, path="/v1/chat/completions"):
@@ -422,8 +535,10 @@ def test_tool_calls_are_parsed_by_the_models_tool_parser(qwen_dir):
 
     tok = load_tokenizer(qwen_dir, eos_token_ids=[298])
     assert tok.has_tool_calling and tok.has_thinking
-    text = ('The user wants weather.</think>\n\nChecking.<tool_call>\n{"name": "get_weather", "arguments": '
-            '{"city": "Paris"}}\n</tool_call>')
+    text = (
+        'The user wants weather.</think>\n\nChecking.<tool_call>\n{"name": "get_weather", "arguments": '
+        '{"city": "Paris"}}\n</tool_call>'
+    )
 
     class Event:
         def __init__(self, t, finish=None):
@@ -434,7 +549,7 @@ def test_tool_calls_are_parsed_by_the_models_tool_parser(qwen_dir):
         fmt = fmt_cls(acc, "m")
         chunks = fmt.start()
         for i in range(0, len(text), 3):  # the text arrives in small pieces, markers split across them
-            piece = text[i:i + 3]
+            piece = text[i : i + 3]
             event = Event(piece, "stop" if i + 3 >= len(text) else None)
             chunks += fmt.event(event, acc.add(event))
         chunks += fmt.end([])
@@ -476,12 +591,24 @@ def test_tools_render_through_the_template_and_reasoning_is_split(qwen_apps):
     assert off["usage"]["prompt_tokens"] == plain["usage"]["prompt_tokens"] + 4  # "\n\n</think>\n\n" closes it
     assert "reasoning_content" not in off["choices"][0]["message"]
     # Anthropic: tools and a tool_result round trip render and answer
-    r = c.post("/v1/messages", json={
-        "model": "qwen-style", "max_tokens": 6, "tools": [{"name": "get_weather", "input_schema": {"type": "object"}}],
-        "messages": [{"role": "user", "content": "Weather?"},
-                     {"role": "assistant", "content": [{"type": "tool_use", "id": "toolu_1", "name": "get_weather",
-                                                        "input": {"city": "Paris"}}]},
-                     {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "toolu_1", "content": "sunny"}]}]})
+    r = c.post(
+        "/v1/messages",
+        json={
+            "model": "qwen-style",
+            "max_tokens": 6,
+            "tools": [{"name": "get_weather", "input_schema": {"type": "object"}}],
+            "messages": [
+                {"role": "user", "content": "Weather?"},
+                {
+                    "role": "assistant",
+                    "content": [
+                        {"type": "tool_use", "id": "toolu_1", "name": "get_weather", "input": {"city": "Paris"}}
+                    ],
+                },
+                {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "toolu_1", "content": "sunny"}]},
+            ],
+        },
+    )
     assert r.status_code == 200, r.text
     assert r.json()["usage"]["input_tokens"] > 60
 
@@ -494,9 +621,14 @@ def test_prefix_cache_gives_identical_results(qwen_apps):
     for name, c in qwen_apps.items():
         first = _post(c, {"messages": turn1, "max_tokens": 10})
         reply = first["choices"][0]["message"]
-        turn2 = turn1 + [{"role": "assistant", "content": reply.get("content") or "blue",
-                          "reasoning_content": reply.get("reasoning_content")},
-                         {"role": "user", "content": "Another one?"}]
+        turn2 = turn1 + [
+            {
+                "role": "assistant",
+                "content": reply.get("content") or "blue",
+                "reasoning_content": reply.get("reasoning_content"),
+            },
+            {"role": "user", "content": "Another one?"},
+        ]
         second = _post(c, {"messages": turn2, "max_tokens": 10})
         third = _post(c, {"messages": turn2, "max_tokens": 10})  # the same prompt again: full prefix hit
         outs[name] = [(r["choices"][0]["message"], r["usage"]["completion_tokens"]) for r in (first, second, third)]
@@ -504,7 +636,10 @@ def test_prefix_cache_gives_identical_results(qwen_apps):
             # turn 2 reuses everything up to the end of turn 1's user message (the snapshot at that
             # message boundary), not only the system prompt; 13 = "<|im_start|>assistant\n<think>\n"
             assert second["usage"]["prompt_tokens_details"]["cached_tokens"] >= first["usage"]["prompt_tokens"] - 13
-            assert third["usage"]["prompt_tokens_details"]["cached_tokens"] >= second["usage"]["prompt_tokens_details"]["cached_tokens"]
+            assert (
+                third["usage"]["prompt_tokens_details"]["cached_tokens"]
+                >= second["usage"]["prompt_tokens_details"]["cached_tokens"]
+            )
         else:
             assert third["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
     assert outs["cached"] == outs["uncached"] == outs["plain"]
@@ -514,8 +649,12 @@ def test_prefix_cache_gives_identical_results(qwen_apps):
 
 def test_json_mode_constrains_output(qwen_apps):
     msgs = [{"role": "user", "content": "Reply in JSON."}]
-    kw = {"messages": msgs, "response_format": {"type": "json_object"}, "max_tokens": 40,
-          "chat_template_kwargs": {"enable_thinking": False}}
+    kw = {
+        "messages": msgs,
+        "response_format": {"type": "json_object"},
+        "max_tokens": 40,
+        "chat_template_kwargs": {"enable_thinking": False},
+    }
     spec = _post(qwen_apps["uncached"], kw)
     plain = _post(qwen_apps["plain"], kw)
     assert spec["choices"][0]["message"] == plain["choices"][0]["message"]  # lossless with the grammar on
@@ -533,29 +672,82 @@ def test_fuzzed_requests_never_get_a_500(qwen_apps):
     from hypothesis import strategies as st
 
     c = qwen_apps["plain"]
-    scalars = st.one_of(st.none(), st.booleans(), st.integers(min_value=-(2**80), max_value=2**80),
-                        st.floats(allow_nan=False, allow_infinity=False), st.text(max_size=20))
-    nested = st.recursive(scalars, lambda inner: st.one_of(st.lists(inner, max_size=3),
-                                                           st.dictionaries(st.text(max_size=8), inner, max_size=3)),
-                          max_leaves=8)
-    plausible = st.one_of(st.integers(-3, 40), st.floats(-1, 3), st.booleans(), st.text(max_size=5),
-                          st.sampled_from(["auto", "none", "required", "qwen-style", {"type": "json_object"},
-                                           {"include_usage": True}, {"type": "enabled"}, ["a", "b"], {"65": 5}]))
+    scalars = st.one_of(
+        st.none(),
+        st.booleans(),
+        st.integers(min_value=-(2**80), max_value=2**80),
+        st.floats(allow_nan=False, allow_infinity=False),
+        st.text(max_size=20),
+    )
+    nested = st.recursive(
+        scalars,
+        lambda inner: st.one_of(st.lists(inner, max_size=3), st.dictionaries(st.text(max_size=8), inner, max_size=3)),
+        max_leaves=8,
+    )
+    plausible = st.one_of(
+        st.integers(-3, 40),
+        st.floats(-1, 3),
+        st.booleans(),
+        st.text(max_size=5),
+        st.sampled_from(
+            [
+                "auto",
+                "none",
+                "required",
+                "qwen-style",
+                {"type": "json_object"},
+                {"include_usage": True},
+                {"type": "enabled"},
+                ["a", "b"],
+                {"65": 5},
+            ]
+        ),
+    )
     values = st.one_of(plausible, nested)
-    fields = ["model", "messages", "max_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "stop", "n",
-              "stream", "stream_options", "presence_penalty", "frequency_penalty", "logit_bias", "logprobs",
-              "top_logprobs", "response_format", "tools", "tool_choice", "chat_template_kwargs", "prompt",
-              "max_completion_tokens", "system", "stop_sequences", "thinking"]
-    message = st.fixed_dictionaries({"role": st.sampled_from(["user", "system", "assistant", "tool", "x"]),
-                                     "content": st.one_of(st.text(max_size=30), values)})
+    fields = [
+        "model",
+        "messages",
+        "max_tokens",
+        "temperature",
+        "top_p",
+        "top_k",
+        "min_p",
+        "seed",
+        "stop",
+        "n",
+        "stream",
+        "stream_options",
+        "presence_penalty",
+        "frequency_penalty",
+        "logit_bias",
+        "logprobs",
+        "top_logprobs",
+        "response_format",
+        "tools",
+        "tool_choice",
+        "chat_template_kwargs",
+        "prompt",
+        "max_completion_tokens",
+        "system",
+        "stop_sequences",
+        "thinking",
+    ]
+    message = st.fixed_dictionaries(
+        {
+            "role": st.sampled_from(["user", "system", "assistant", "tool", "x"]),
+            "content": st.one_of(st.text(max_size=30), values),
+        }
+    )
     base = {"model": "qwen-style", "messages": [{"role": "user", "content": "hi"}], "prompt": "hi", "max_tokens": 3}
     seen: dict[int, int] = {}
 
     @settings(max_examples=50, deadline=None, suppress_health_check=list(HealthCheck), derandomize=True)
-    @given(path=st.sampled_from(["/v1/chat/completions", "/v1/completions", "/v1/messages"]),
-           changes=st.dictionaries(st.sampled_from(fields), values, max_size=4),
-           messages=st.one_of(st.none(), st.lists(message, max_size=3)),
-           raw=st.one_of(st.none(), st.binary(max_size=40)))
+    @given(
+        path=st.sampled_from(["/v1/chat/completions", "/v1/completions", "/v1/messages"]),
+        changes=st.dictionaries(st.sampled_from(fields), values, max_size=4),
+        messages=st.one_of(st.none(), st.lists(message, max_size=3)),
+        raw=st.one_of(st.none(), st.binary(max_size=40)),
+    )
     def check(path, changes, messages, raw):
         body = {**base, **changes}
         if messages is not None:
@@ -590,8 +782,15 @@ def test_loading_503_timeouts_and_internal_errors(tiny_checkpoints, monkeypatch)
 
     target = tiny_checkpoints[0]
     gate = threading.Event()
-    worker = Worker(str(target), None, max_queue=4, max_concurrent=1, max_context=4096, prefix_cache_bytes=0,
-                    loader=lambda: (gate.wait(60), load_target(str(target)))[1:] + (None,))
+    worker = Worker(
+        str(target),
+        None,
+        max_queue=4,
+        max_concurrent=1,
+        max_context=4096,
+        prefix_cache_bytes=0,
+        loader=lambda: (gate.wait(60), load_target(str(target)))[1:] + (None,),
+    )
     app = create_app(ServerConfig(model=str(target), request_timeout=1.0), worker)
     body = {"model": "target", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 100000}
     with TestClient(app, raise_server_exceptions=False) as c:
@@ -649,8 +848,11 @@ def test_cors_is_off_by_default_and_on_for_allowed_origins(tiny_checkpoints):
     from dflash2_mlx.server import ServerConfig, create_app
 
     target = str(tiny_checkpoints[0])
-    preflight = {"Origin": "http://localhost:3000", "Access-Control-Request-Method": "POST",
-                 "Access-Control-Request-Headers": "authorization, content-type"}
+    preflight = {
+        "Origin": "http://localhost:3000",
+        "Access-Control-Request-Method": "POST",
+        "Access-Control-Request-Headers": "authorization, content-type",
+    }
     for origins, allowed in (((), False), (("http://localhost:3000",), True)):
         c = TestClient(create_app(ServerConfig(model=target, allowed_origins=origins)))  # no lifespan: not loaded
         r = c.options("/v1/chat/completions", headers=preflight)
@@ -673,7 +875,9 @@ def test_default_max_tokens_is_the_models_generation_config_unless_the_server_se
         c = _app(model, None, prefix_cache_gb=0, default_max_tokens=server_default)
         try:
             no_end = {str(t): -100 for t in c.app.state.worker.tokenizer.eos_token_ids}  # never stops early
-            r = c.post("/v1/completions", json={"model": "target", "prompt": "abc", "temperature": 0, "logit_bias": no_end})
+            r = c.post(
+                "/v1/completions", json={"model": "target", "prompt": "abc", "temperature": 0, "logit_bias": no_end}
+            )
             assert r.status_code == 200, r.text
             assert r.json()["usage"]["completion_tokens"] == expected
             assert r.json()["choices"][0]["finish_reason"] == "length"

@@ -23,12 +23,24 @@ MAX_CONTEXT = 512
 IM_END, EOS = 2, 0  # the embedded pair's end-of-turn and end-of-text tokens
 NEVER_STOP = {str(IM_END): -100, str(EOS): -100}  # runs to max_output_tokens
 STOP_NOW = {str(IM_END): 100}  # ends at once: an empty, complete answer
-TOOL = {"type": "function", "name": "get_weather", "description": "Weather for a city",
-        "parameters": {"type": "object", "properties": {"city": {"type": "string", "enum": ["Paris", "Rome"]}},
-                       "required": ["city"], "additionalProperties": False}}
+TOOL = {
+    "type": "function",
+    "name": "get_weather",
+    "description": "Weather for a city",
+    "parameters": {
+        "type": "object",
+        "properties": {"city": {"type": "string", "enum": ["Paris", "Rome"]}},
+        "required": ["city"],
+        "additionalProperties": False,
+    },
+}
 # Finite answers (enums, booleans): a constrained answer ends by itself, long before max tokens.
-WEATHER = {"type": "object", "properties": {"city": {"type": "string", "enum": ["Paris", "Rome"]}, "sunny": {"type": "boolean"}},
-           "required": ["city", "sunny"], "additionalProperties": False}
+WEATHER = {
+    "type": "object",
+    "properties": {"city": {"type": "string", "enum": ["Paris", "Rome"]}, "sunny": {"type": "boolean"}},
+    "required": ["city", "sunny"],
+    "additionalProperties": False,
+}
 
 
 class Weather(BaseModel):
@@ -40,9 +52,24 @@ class Weather(BaseModel):
 def server(embedded_pair, tmp_path_factory):
     target, drafter = embedded_pair
     log = tmp_path_factory.mktemp("clients") / "server.log"
-    args = ["--model", str(target), "--draft-model", str(drafter), "--api-key", KEY, "--served-model-name", MODEL,
-            "--max-context", str(MAX_CONTEXT), "--default-max-tokens", "16", "--request-timeout", "60",
-            "--block-size", "8"]  # speculation pinned: the controller may decode low-acceptance answers plainly
+    args = [
+        "--model",
+        str(target),
+        "--draft-model",
+        str(drafter),
+        "--api-key",
+        KEY,
+        "--served-model-name",
+        MODEL,
+        "--max-context",
+        str(MAX_CONTEXT),
+        "--default-max-tokens",
+        "16",
+        "--request-timeout",
+        "60",
+        "--block-size",
+        "8",
+    ]  # speculation pinned: the controller may decode low-acceptance answers plainly
     with running_server(args, log) as srv:
         yield srv
     assert "Traceback" not in srv.log_text(), srv.log_text()[-3000:]
@@ -61,6 +88,7 @@ def respond(client, input="def fib(n):", **kw):
 
 
 # ---- the Responses API through the official SDK ------------------------------------------------
+
 
 def test_responses_create_returns_a_typed_response_with_usage_and_speculation(client):
     r = respond(client)
@@ -81,10 +109,16 @@ def test_responses_stream_sends_the_standard_event_sequence(client):
     events = list(respond(client, stream=True))
     kinds = [e.type for e in events]
     deltas = [e for e in events if e.type == "response.output_text.delta"]
-    assert kinds == (["response.created", "response.in_progress", "response.output_item.added",
-                      "response.content_part.added"] + ["response.output_text.delta"] * len(deltas)
-                     + ["response.output_text.done", "response.content_part.done", "response.output_item.done",
-                        "response.incomplete"])
+    assert kinds == (
+        ["response.created", "response.in_progress", "response.output_item.added", "response.content_part.added"]
+        + ["response.output_text.delta"] * len(deltas)
+        + [
+            "response.output_text.done",
+            "response.content_part.done",
+            "response.output_item.done",
+            "response.incomplete",
+        ]
+    )
     assert [e.sequence_number for e in events] == list(range(len(events)))
     assert "".join(e.delta for e in deltas) == full.output_text == events[-4].text
     final = events[-1].response
@@ -93,9 +127,14 @@ def test_responses_stream_sends_the_standard_event_sequence(client):
     # The SDK's stream helper assembles a completed response: one ended by a stop string (a
     # dflash2-mlx extension) taken from the greedy text.
     text = full.output_text
-    cut = next(i for i in range(3, len(text) - 1) if text[i:i + 2].strip() and text.find(text[i:i + 2]) == i)
-    with client.responses.stream(model=MODEL, input="def fib(n):", max_output_tokens=12, temperature=0,
-                                 extra_body={"logit_bias": NEVER_STOP, "stop": [text[cut:cut + 2]]}) as stream:
+    cut = next(i for i in range(3, len(text) - 1) if text[i : i + 2].strip() and text.find(text[i : i + 2]) == i)
+    with client.responses.stream(
+        model=MODEL,
+        input="def fib(n):",
+        max_output_tokens=12,
+        temperature=0,
+        extra_body={"logit_bias": NEVER_STOP, "stop": [text[cut : cut + 2]]},
+    ) as stream:
         streamed = "".join(e.delta for e in stream if e.type == "response.output_text.delta")
         final = stream.get_final_response()
     assert final.status == "completed" and final.output_text == streamed == text[:cut]
@@ -117,9 +156,17 @@ def test_previous_response_id_continues_the_stored_conversation(client):
     second = respond(client, "Another one?", previous_response_id=first.id)
     assert second.previous_response_id == first.id
     # the same conversation sent in full gives the same prompt and the same greedy answer
-    explicit = respond(client, [{"role": "user", "content": "Name a color."}, *[o.model_dump() for o in first.output],
-                                {"role": "user", "content": "Another one?"}])
-    assert second.usage.input_tokens == explicit.usage.input_tokens > first.usage.input_tokens + first.usage.output_tokens
+    explicit = respond(
+        client,
+        [
+            {"role": "user", "content": "Name a color."},
+            *[o.model_dump() for o in first.output],
+            {"role": "user", "content": "Another one?"},
+        ],
+    )
+    assert (
+        second.usage.input_tokens == explicit.usage.input_tokens > first.usage.input_tokens + first.usage.output_tokens
+    )
     assert second.output_text == explicit.output_text
     assert client.responses.retrieve(second.id).output_text == second.output_text
     client.responses.delete(first.id)
@@ -137,26 +184,41 @@ def test_previous_response_id_continues_the_stored_conversation(client):
 def test_function_call_items_and_their_outputs_are_rendered(client):
     question = [{"role": "user", "content": "Weather in Paris?"}]
     plain = respond(client, question, tools=[TOOL])
-    rounds = respond(client, question + [
-        {"type": "function_call", "call_id": "call_1", "name": "get_weather", "arguments": '{"city": "Paris"}'},
-        {"type": "function_call_output", "call_id": "call_1", "output": "sunny, 21 C"}], tools=[TOOL])
+    rounds = respond(
+        client,
+        question
+        + [
+            {"type": "function_call", "call_id": "call_1", "name": "get_weather", "arguments": '{"city": "Paris"}'},
+            {"type": "function_call_output", "call_id": "call_1", "output": "sunny, 21 C"},
+        ],
+        tools=[TOOL],
+    )
     assert rounds.usage.input_tokens > plain.usage.input_tokens + 20
     assert plain.tools[0].name == "get_weather" and plain.tool_choice == "auto"
     no_tools = respond(client, question)
     assert plain.usage.input_tokens > no_tools.usage.input_tokens + 50  # the tools are in the system turn
 
 
-@pytest.mark.parametrize("field, kw", [
-    ("truncation", {"truncation": "auto"}),
-    ("background", {"background": True}),
-    ("tools[0].type", {"tools": [{"type": "web_search"}]}),
-    ("include", {"include": ["file_search_call.results"]}),
-    ("input[0].content[0].type", {"input": [{"role": "user", "content": [
-        {"type": "input_image", "image_url": "data:image/png;base64,AAAA"}]}]}),
-    ("conversation", {"conversation": "conv_1"}),
-    ("max_tool_calls", {"max_tool_calls": 2}),
-    ("tool_choice", {"tools": [TOOL], "tool_choice": {"type": "allowed_tools", "mode": "auto", "tools": []}}),
-])
+@pytest.mark.parametrize(
+    "field, kw",
+    [
+        ("truncation", {"truncation": "auto"}),
+        ("background", {"background": True}),
+        ("tools[0].type", {"tools": [{"type": "web_search"}]}),
+        ("include", {"include": ["file_search_call.results"]}),
+        (
+            "input[0].content[0].type",
+            {
+                "input": [
+                    {"role": "user", "content": [{"type": "input_image", "image_url": "data:image/png;base64,AAAA"}]}
+                ]
+            },
+        ),
+        ("conversation", {"conversation": "conv_1"}),
+        ("max_tool_calls", {"max_tool_calls": 2}),
+        ("tool_choice", {"tools": [TOOL], "tool_choice": {"type": "allowed_tools", "mode": "auto", "tools": []}}),
+    ],
+)
 def test_unsupported_responses_fields_get_a_400_naming_them(client, field, kw):
     with pytest.raises(openai.BadRequestError) as e:
         respond(client, **kw)
@@ -165,12 +227,19 @@ def test_unsupported_responses_fields_get_a_400_naming_them(client, field, kw):
 
 # ---- structured output and forced tool calls, speculation on ------------------------------------
 
-@pytest.mark.parametrize("sampling", [{"temperature": 0}, {"temperature": 1.0, "top_p": 0.95, "extra_body": {"seed": 7}}])
+
+@pytest.mark.parametrize(
+    "sampling", [{"temperature": 0}, {"temperature": 1.0, "top_p": 0.95, "extra_body": {"seed": 7}}]
+)
 def test_responses_json_schema_answers_parse_and_validate(client, sampling):
     jsonschema = pytest.importorskip("jsonschema")
     kw = {"max_output_tokens": 60, "extra_body": {}, **sampling}
-    r = respond(client, "Weather in Paris?", text={"format": {"type": "json_schema", "name": "weather", "schema": WEATHER,
-                                                               "strict": True}}, **kw)
+    r = respond(
+        client,
+        "Weather in Paris?",
+        text={"format": {"type": "json_schema", "name": "weather", "schema": WEATHER, "strict": True}},
+        **kw,
+    )
     assert r.status == "completed" and r.text.format.type == "json_schema"
     jsonschema.validate(json.loads(r.output_text), WEATHER)
     assert r.model_extra["speculative"]["verify_steps"] > 0
@@ -189,30 +258,50 @@ def test_a_schema_the_grammar_cannot_enforce_is_a_400_naming_the_responses_field
 @pytest.mark.parametrize("tool_choice", ["required", {"type": "function", "name": "get_weather"}])
 def test_responses_forced_tool_calls_are_valid_function_call_items(client, tool_choice):
     jsonschema = pytest.importorskip("jsonschema")
-    other = {**TOOL, "name": "get_time", "parameters": {"type": "object", "properties": {}, "additionalProperties": False}}
-    kw = dict(tools=[TOOL, other] if tool_choice == "required" else [other, TOOL], tool_choice=tool_choice,
-              max_output_tokens=60, extra_body={"logit_bias": STOP_NOW})  # ends once a call is complete
+    other = {
+        **TOOL,
+        "name": "get_time",
+        "parameters": {"type": "object", "properties": {}, "additionalProperties": False},
+    }
+    kw = dict(
+        tools=[TOOL, other] if tool_choice == "required" else [other, TOOL],
+        tool_choice=tool_choice,
+        max_output_tokens=60,
+        extra_body={"logit_bias": STOP_NOW},
+    )  # ends once a call is complete
     r = respond(client, "Weather in Paris?", **kw)
     assert r.status == "completed" and r.output and all(o.type == "function_call" for o in r.output)
     for call in r.output:
         assert call.call_id and call.name in ("get_weather", "get_time")
-        jsonschema.validate(json.loads(call.arguments), TOOL["parameters"] if call.name == "get_weather" else other["parameters"])
+        jsonschema.validate(
+            json.loads(call.arguments), TOOL["parameters"] if call.name == "get_weather" else other["parameters"]
+        )
     if tool_choice != "required":
         assert [o.name for o in r.output] == ["get_weather"]
     assert r.model_extra["speculative"]["verify_steps"] > 0
     events = list(respond(client, "Weather in Paris?", stream=True, **kw))
     kinds = [e.type for e in events]
-    assert kinds[2:6] == ["response.output_item.added", "response.function_call_arguments.delta",
-                          "response.function_call_arguments.done", "response.output_item.done"]
+    assert kinds[2:6] == [
+        "response.output_item.added",
+        "response.function_call_arguments.delta",
+        "response.function_call_arguments.done",
+        "response.output_item.done",
+    ]
     assert [(o.name, o.arguments) for o in events[-1].response.output] == [(o.name, o.arguments) for o in r.output]
 
 
 def test_the_embedded_pairs_forced_tool_call_comes_back_as_chat_tool_calls(client):
     """The pair's template renders tools Qwen-style, so the grammar's <tool_call> text is parsed."""
     tool = {"type": "function", "function": {k: TOOL[k] for k in ("name", "description", "parameters")}}
-    r = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Weather in Paris?"}],
-                                       tools=[tool], tool_choice="required", parallel_tool_calls=False,
-                                       max_tokens=60, temperature=0)
+    r = client.chat.completions.create(
+        model=MODEL,
+        messages=[{"role": "user", "content": "Weather in Paris?"}],
+        tools=[tool],
+        tool_choice="required",
+        parallel_tool_calls=False,
+        max_tokens=60,
+        temperature=0,
+    )
     [call] = r.choices[0].message.tool_calls
     assert r.choices[0].finish_reason == "tool_calls" and not r.choices[0].message.content
     assert call.function.name == "get_weather" and json.loads(call.function.arguments)["city"] in ("Paris", "Rome")
@@ -220,13 +309,15 @@ def test_the_embedded_pairs_forced_tool_call_comes_back_as_chat_tool_calls(clien
 
 # ---- smaller fixes -----------------------------------------------------------------------------
 
+
 def test_context_overflow_uses_the_words_clients_recognise(server, client):
     long = "word " * (MAX_CONTEXT + 20)
     with pytest.raises(openai.BadRequestError) as e:
         client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": long}], max_tokens=4)
     assert e.value.code == "context_length_exceeded"
-    assert e.value.body["message"].startswith(f"This model's maximum context length is {MAX_CONTEXT} tokens. "
-                                              "However, your messages resulted in ")
+    assert e.value.body["message"].startswith(
+        f"This model's maximum context length is {MAX_CONTEXT} tokens. However, your messages resulted in "
+    )
     with pytest.raises(openai.BadRequestError) as e:
         respond(client, long)
     assert e.value.code == "context_length_exceeded" and "maximum context length" in e.value.body["message"]
@@ -242,8 +333,9 @@ def test_legacy_functions_are_refused_not_dropped(client):
     fn = {"name": "get_weather", "parameters": {"type": "object", "properties": {}}}
     for kw, param in (({"functions": [fn]}, "functions"), ({"function_call": "auto"}, "function_call")):
         with pytest.raises(openai.BadRequestError) as e:
-            client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=2,
-                                           extra_body=kw)
+            client.chat.completions.create(
+                model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=2, extra_body=kw
+            )
         assert e.value.body["param"] == param and "tools" in e.value.body["message"]
 
 
@@ -260,8 +352,9 @@ def test_anthropic_messages_plain_and_streamed(server):
     anthropic = pytest.importorskip("anthropic")
     a = anthropic.Anthropic(base_url=server.base, api_key=KEY, max_retries=0)
     # greedy (the pair samples by default), so the stream and the whole answer are the same text
-    kw = dict(model=MODEL, max_tokens=10, messages=[{"role": "user", "content": "def fib(n):"}],
-              extra_body={"temperature": 0})
+    kw = dict(
+        model=MODEL, max_tokens=10, messages=[{"role": "user", "content": "def fib(n):"}], extra_body={"temperature": 0}
+    )
     msg = a.messages.create(**kw)
     with a.messages.stream(**kw) as stream:
         assert "".join(stream.text_stream) == "".join(b.text for b in msg.content if b.type == "text")
@@ -269,6 +362,7 @@ def test_anthropic_messages_plain_and_streamed(server):
 
 
 # ---- openai-agents: its default model is the Responses API --------------------------------------
+
 
 def test_openai_agents_default_model_runs_with_a_function_tool(server):
     agents = pytest.importorskip("agents")
@@ -283,23 +377,31 @@ def test_openai_agents_default_model_runs_with_a_function_tool(server):
         return "sunny"
 
     set_tracing_disabled(True)
-    set_default_openai_client(openai.AsyncOpenAI(base_url=server.base + "/v1", api_key=KEY, max_retries=0),
-                              use_for_tracing=False)
+    set_default_openai_client(
+        openai.AsyncOpenAI(base_url=server.base + "/v1", api_key=KEY, max_retries=0), use_for_tracing=False
+    )
     settings = ModelSettings(temperature=0, max_tokens=8, extra_body={"logit_bias": STOP_NOW})
-    with_tool = Agent(name="weather", instructions="Answer briefly.", model=MODEL, tools=[get_weather],
-                      model_settings=settings)
+    with_tool = Agent(
+        name="weather", instructions="Answer briefly.", model=MODEL, tools=[get_weather], model_settings=settings
+    )
     without = Agent(name="plain", instructions="Answer briefly.", model=MODEL, model_settings=settings)
 
     async def runs():  # one event loop: the client's connections belong to it
         streamed = Runner.run_streamed(without, "def fib(n):")
         kinds = {e.type async for e in streamed.stream_events()}
-        return (await Runner.run(with_tool, "Weather in Paris?"), await Runner.run(without, "Weather in Paris?"),
-                streamed, kinds)
+        return (
+            await Runner.run(with_tool, "Weather in Paris?"),
+            await Runner.run(without, "Weather in Paris?"),
+            streamed,
+            kinds,
+        )
 
     result, plain, streamed, kinds = asyncio.run(runs())
     assert "raw_response_event" in kinds and streamed.final_output == ""
-    assert isinstance(agents.models.openai_provider.OpenAIProvider().get_model(MODEL),
-                      agents.models.openai_responses.OpenAIResponsesModel)
+    assert isinstance(
+        agents.models.openai_provider.OpenAIProvider().get_model(MODEL),
+        agents.models.openai_responses.OpenAIResponsesModel,
+    )
     assert result.final_output == "" and calls == []  # the answer ended at once (STOP_NOW)
     [raw] = result.raw_responses
     assert raw.usage.input_tokens > plain.raw_responses[0].usage.input_tokens + 50  # the tool was rendered
@@ -318,18 +420,28 @@ def test_openai_agents_forced_tool_call_round_trip_and_structured_output(server)
         return "sunny"
 
     set_tracing_disabled(True)
-    set_default_openai_client(openai.AsyncOpenAI(base_url=server.base + "/v1", api_key=KEY, max_retries=0),
-                              use_for_tracing=False)
+    set_default_openai_client(
+        openai.AsyncOpenAI(base_url=server.base + "/v1", api_key=KEY, max_retries=0), use_for_tracing=False
+    )
     # The first turn must call the tool; then the SDK resets tool_choice and the answer ends at once.
-    forced = Agent(name="weather", model=MODEL, tools=[get_weather],
-                   model_settings=ModelSettings(temperature=0, max_tokens=60, tool_choice="get_weather",
-                                                extra_body={"logit_bias": STOP_NOW}))
-    structured = Agent(name="structured", model=MODEL, output_type=Weather,
-                       model_settings=ModelSettings(temperature=0, max_tokens=60))
+    forced = Agent(
+        name="weather",
+        model=MODEL,
+        tools=[get_weather],
+        model_settings=ModelSettings(
+            temperature=0, max_tokens=60, tool_choice="get_weather", extra_body={"logit_bias": STOP_NOW}
+        ),
+    )
+    structured = Agent(
+        name="structured", model=MODEL, output_type=Weather, model_settings=ModelSettings(temperature=0, max_tokens=60)
+    )
 
     async def runs():
-        return (await Runner.run(forced, "Weather in Paris?"), await Runner.run(structured, "Weather in Paris?"),
-                await Runner.run(forced, "Weather in Paris?", auto_previous_response_id=True))
+        return (
+            await Runner.run(forced, "Weather in Paris?"),
+            await Runner.run(structured, "Weather in Paris?"),
+            await Runner.run(forced, "Weather in Paris?", auto_previous_response_id=True),
+        )
 
     tool_run, structured_run, chained = asyncio.run(runs())
     assert len(calls) == 2 and calls[0] in ("Paris", "Rome") and calls[1] == calls[0]
@@ -338,13 +450,16 @@ def test_openai_agents_forced_tool_call_round_trip_and_structured_output(server)
         assert run.final_output == ""
     # chained: the second turn sent only the tool's output and the first response's id, and the
     # server put the stored call in front of it: the same prompt as the unchained run's
-    stored = openai.OpenAI(base_url=server.base + "/v1", api_key=KEY).responses.retrieve(chained.raw_responses[1].response_id)
+    stored = openai.OpenAI(base_url=server.base + "/v1", api_key=KEY).responses.retrieve(
+        chained.raw_responses[1].response_id
+    )
     assert stored.previous_response_id == chained.raw_responses[0].response_id
     assert chained.raw_responses[1].usage.input_tokens == tool_run.raw_responses[1].usage.input_tokens
     assert structured_run.final_output.city in ("Paris", "Rome")
 
 
 # ---- langchain-openai --------------------------------------------------------------------------
+
 
 def test_langchain_chat_openai_on_chat_completions_and_the_responses_api(server):
     pytest.importorskip("langchain_openai")
@@ -366,11 +481,21 @@ def test_langchain_with_structured_output_default_and_function_calling(server, r
     pytest.importorskip("langchain_openai")
     from langchain_openai import ChatOpenAI
 
-    llm = ChatOpenAI(base_url=server.base + "/v1", api_key=KEY, model=MODEL, temperature=0, max_tokens=60,
-                     max_retries=0, use_responses_api=responses_api)
+    llm = ChatOpenAI(
+        base_url=server.base + "/v1",
+        api_key=KEY,
+        model=MODEL,
+        temperature=0,
+        max_tokens=60,
+        max_retries=0,
+        use_responses_api=responses_api,
+    )
     # json_schema is the default; function_calling forces the tool (strict: no properties beyond
     # the schema's, or the tiny model may write extra keys until max_tokens)
     for method in ("json_schema", "function_calling"):
-        answer = (llm.with_structured_output(Weather) if method == "json_schema" else
-                  llm.with_structured_output(Weather, method=method, strict=True)).invoke("Weather in Paris?")
+        answer = (
+            llm.with_structured_output(Weather)
+            if method == "json_schema"
+            else llm.with_structured_output(Weather, method=method, strict=True)
+        ).invoke("Weather in Paris?")
         assert isinstance(answer, Weather) and answer.city in ("Paris", "Rome"), method

@@ -18,8 +18,18 @@ NO_EOS = {"0": -100, "2": -100}  # the embedded pair's end tokens: lengths are e
 def server(embedded_pair, tmp_path_factory):
     target, drafter = embedded_pair
     log = tmp_path_factory.mktemp("serve-concurrent") / "server.log"
-    args = ["--model", str(target), "--draft-model", str(drafter), "--max-concurrent", "4", "--max-queue", "32",
-            "--request-timeout", "300"]
+    args = [
+        "--model",
+        str(target),
+        "--draft-model",
+        str(drafter),
+        "--max-concurrent",
+        "4",
+        "--max-queue",
+        "32",
+        "--request-timeout",
+        "300",
+    ]
     with running_server(args, log) as srv:
         yield srv
     assert "Traceback" not in srv.log_text(), srv.log_text()[-3000:]
@@ -53,8 +63,14 @@ def test_a_short_request_beside_a_long_stream_is_answered_while_the_stream_has_m
     chunks, started = [], threading.Event()
 
     def stream_long():
-        body = {"model": name, "prompt": long_prompt, "max_tokens": 1500, "temperature": 0, "logit_bias": NO_EOS,
-                "stream": True}
+        body = {
+            "model": name,
+            "prompt": long_prompt,
+            "max_tokens": 1500,
+            "temperature": 0,
+            "logit_bias": NO_EOS,
+            "stream": True,
+        }
         with httpx.stream("POST", server.base + "/v1/completions", json=body, timeout=300) as r:
             for line in r.iter_lines():
                 if line.startswith("data: {"):
@@ -113,16 +129,31 @@ def test_batched_verify_gives_concurrent_clients_their_solo_outputs(embedded_pai
     """--batch-verify on (every round of two or more cycles is one batched target pass) and auto
     (measured, so both modes run): each concurrent request's text is its solo text."""
     target, drafter = embedded_pair
-    args = ["--model", str(target), "--draft-model", str(drafter), "--max-concurrent", "4", "--max-queue", "32",
-            "--request-timeout", "300", "--batch-verify", mode]
+    args = [
+        "--model",
+        str(target),
+        "--draft-model",
+        str(drafter),
+        "--max-concurrent",
+        "4",
+        "--max-queue",
+        "32",
+        "--request-timeout",
+        "300",
+        "--batch-verify",
+        mode,
+    ]
     with running_server(args, tmp_path / "server.log") as srv:
         name = model_name(srv.base)
         prompts = [f"def task_{i}(x):\n    " for i in range(4)] + ["import os\n", "for i in range(10):"]
         lengths = [40, 24, 64, 16, 48, 32]  # ragged: the batch shrinks and blocks shorten as they end
         solo = {p: complete(srv.base, p, n, model=name)["choices"][0]["text"] for p, n in zip(prompts, lengths)}
         with ThreadPoolExecutor(6) as pool:
-            got = list(pool.map(lambda pn: (pn[0], complete(srv.base, pn[0], pn[1], model=name)),
-                                list(zip(prompts, lengths)) * 2))
+            got = list(
+                pool.map(
+                    lambda pn: (pn[0], complete(srv.base, pn[0], pn[1], model=name)), list(zip(prompts, lengths)) * 2
+                )
+            )
         for prompt, body in got:
             assert body["choices"][0]["text"] == solo[prompt], prompt
             assert body["usage"]["completion_tokens"] == dict(zip(prompts, lengths))[prompt]
@@ -136,7 +167,11 @@ def test_an_unknown_batch_verify_mode_is_a_one_line_error():
     import subprocess
     import sys
 
-    r = subprocess.run([sys.executable, "-m", "dflash2_mlx", "serve", "--batch-verify", "maybe"],
-                       capture_output=True, text=True, timeout=120)
+    r = subprocess.run(
+        [sys.executable, "-m", "dflash2_mlx", "serve", "--batch-verify", "maybe"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert r.returncode == 2
     assert "--batch-verify must be auto, on or off" in r.stderr

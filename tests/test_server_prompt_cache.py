@@ -29,15 +29,31 @@ def _system_prompt(target, n_tokens: int) -> str:
 
 def _args(pair, cache_dir) -> list[str]:
     target, drafter = pair
-    return ["--model", str(target), "--draft-model", str(drafter), "--prompt-cache-dir", str(cache_dir),
-            "--request-timeout", "300"]
+    return [
+        "--model",
+        str(target),
+        "--draft-model",
+        str(drafter),
+        "--prompt-cache-dir",
+        str(cache_dir),
+        "--request-timeout",
+        "300",
+    ]
 
 
 def _chat(base: str, system: str, user: str, max_tokens: int = 24) -> dict:
     model = httpx.get(base + "/v1/models", timeout=10).json()["data"][0]["id"]
-    r = httpx.post(base + "/v1/chat/completions", timeout=300, json={
-        "model": model, "max_tokens": max_tokens, "temperature": 0, "logit_bias": NO_EOS,
-        "messages": [{"role": "system", "content": system}, {"role": "user", "content": user}]})
+    r = httpx.post(
+        base + "/v1/chat/completions",
+        timeout=300,
+        json={
+            "model": model,
+            "max_tokens": max_tokens,
+            "temperature": 0,
+            "logit_bias": NO_EOS,
+            "messages": [{"role": "system", "content": system}, {"role": "user", "content": user}],
+        },
+    )
     assert r.status_code == 200, r.text
     return r.json()
 
@@ -63,8 +79,16 @@ def test_after_a_restart_a_long_system_prompt_is_restored_from_disk_with_the_sam
         other = _chat(srv.base, system, "Review: class A: pass")
         again = _chat(srv.base, system, "Review: def f(x): return x")
         m = metrics(srv.base)
-        anthropic = httpx.post(srv.base + "/v1/messages", timeout=300, json={
-            "model": httpx.get(srv.base + "/v1/models", timeout=10).json()["data"][0]["id"], "max_tokens": 8, "system": system, "messages": [{"role": "user", "content": "Review: 1"}]})
+        anthropic = httpx.post(
+            srv.base + "/v1/messages",
+            timeout=300,
+            json={
+                "model": httpx.get(srv.base + "/v1/models", timeout=10).json()["data"][0]["id"],
+                "max_tokens": 8,
+                "system": system,
+                "messages": [{"role": "user", "content": "Review: 1"}],
+            },
+        )
     prompt = again["usage"]["prompt_tokens"]
     assert again["usage"]["prompt_tokens_details"]["cached_tokens"] >= 0.8 * prompt
     assert other["usage"]["prompt_tokens_details"]["cached_tokens"] >= 0.8 * other["usage"]["prompt_tokens"]
@@ -83,7 +107,7 @@ def test_kill_9_while_snapshots_are_written_leaves_a_cache_the_next_server_repai
     answers = {}
     for round_ in range(2):  # killed right after its answers, while their snapshots are being written
         with running_server(_args(embedded_pair, cache_dir), tmp_path / f"killed-{round_}.log") as srv:
-            for user in users[round_ * 3:round_ * 3 + 3]:
+            for user in users[round_ * 3 : round_ * 3 + 3]:
                 answers[user] = _chat(srv.base, system, user, max_tokens=12)["choices"][0]["message"]
             srv.stop(signal.SIGKILL)
     with running_server(_args(embedded_pair, cache_dir), tmp_path / "after.log") as srv:

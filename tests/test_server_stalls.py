@@ -116,7 +116,9 @@ def test_the_trace_names_each_request_and_its_kind_of_step():
     assert _step_kind(Step(error=ValueError("x"))) == "a failed step (ValueError)"
     job = Job("req_1", [1, 2], None, [], loop=None, deadline=0.0)
     first = Active(job, iter(()), 0.0, steps=1, last_step="a prefill chunk")
-    assert Worker._describe(first, {"greedy"}) == ("request req_1 its first step (a prefill chunk; prefix-cache lookup "
-                                                   "and policy set-up; calibrated the pair's greedy cycle costs)")
+    assert Worker._describe(first, {"greedy"}) == (
+        "request req_1 its first step (a prefill chunk; prefix-cache lookup "
+        "and policy set-up; calibrated the pair's greedy cycle costs)"
+    )
     later = Active(job, iter(()), 0.0, steps=5, last_step="a cycle of 3 tokens")
     assert Worker._describe(later, set()) == "request req_1 a cycle of 3 tokens"

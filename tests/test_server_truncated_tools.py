@@ -22,11 +22,17 @@ anthropic = pytest.importorskip("anthropic")
 MODEL = "tiny-code-demo-target"
 MAX_TOKENS = 100
 # days first: the bounded integer comes before the string the model loops in
-LOOP_PARAMETERS = {"type": "object", "properties": {"days": {"type": "integer"}, "city": {"type": "string"}},
-                   "required": ["days", "city"]}
+LOOP_PARAMETERS = {
+    "type": "object",
+    "properties": {"days": {"type": "integer"}, "city": {"type": "string"}},
+    "required": ["days", "city"],
+}
 # issue 32's failing request: one get_weather(city, days) tool, tool_choice "required", 120 tokens
-ISSUE_PARAMETERS = {"type": "object", "properties": {"city": {"type": "string"}, "days": {"type": "integer"}},
-                    "required": ["city", "days"]}
+ISSUE_PARAMETERS = {
+    "type": "object",
+    "properties": {"city": {"type": "string"}, "days": {"type": "integer"}},
+    "required": ["city", "days"],
+}
 QUESTION = "What's the weather in Paris for the next 3 days?"
 # the cut-off arguments: 15 digits (the bound), then the string the limit cut off
 TRUNCATED = re.compile(r'\{"days": 3{15}, "city": "3+')
@@ -47,24 +53,46 @@ def three_bias(embedded_pair):
 
 
 def _openai_body(three_bias, stream=False):
-    return {"model": MODEL, "messages": [{"role": "user", "content": QUESTION}], "max_tokens": MAX_TOKENS,
-            "temperature": 0, "tool_choice": "required", "logit_bias": three_bias, "stream": stream,
-            "tools": [{"type": "function", "function": {"name": "get_weather", "parameters": LOOP_PARAMETERS}}]}
+    return {
+        "model": MODEL,
+        "messages": [{"role": "user", "content": QUESTION}],
+        "max_tokens": MAX_TOKENS,
+        "temperature": 0,
+        "tool_choice": "required",
+        "logit_bias": three_bias,
+        "stream": stream,
+        "tools": [{"type": "function", "function": {"name": "get_weather", "parameters": LOOP_PARAMETERS}}],
+    }
 
 
 def _anthropic_body(three_bias, stream=False):
-    return {"model": MODEL, "messages": [{"role": "user", "content": QUESTION}], "max_tokens": MAX_TOKENS,
-            "temperature": 0, "tool_choice": {"type": "any"}, "logit_bias": three_bias, "stream": stream,
-            "tools": [{"name": "get_weather", "input_schema": LOOP_PARAMETERS}]}
+    return {
+        "model": MODEL,
+        "messages": [{"role": "user", "content": QUESTION}],
+        "max_tokens": MAX_TOKENS,
+        "temperature": 0,
+        "tool_choice": {"type": "any"},
+        "logit_bias": three_bias,
+        "stream": stream,
+        "tools": [{"name": "get_weather", "input_schema": LOOP_PARAMETERS}],
+    }
 
 
 def _responses_body(three_bias, stream=False):
-    return {"model": MODEL, "input": QUESTION, "max_output_tokens": MAX_TOKENS, "temperature": 0,
-            "tool_choice": "required", "logit_bias": three_bias, "stream": stream,
-            "tools": [{"type": "function", "name": "get_weather", "parameters": LOOP_PARAMETERS}]}
+    return {
+        "model": MODEL,
+        "input": QUESTION,
+        "max_output_tokens": MAX_TOKENS,
+        "temperature": 0,
+        "tool_choice": "required",
+        "logit_bias": three_bias,
+        "stream": stream,
+        "tools": [{"type": "function", "name": "get_weather", "parameters": LOOP_PARAMETERS}],
+    }
 
 
 # ---- in process: every API, streamed and not ---------------------------------------------------
+
 
 @pytest.fixture(scope="module")
 def app(embedded_pair):
@@ -76,8 +104,9 @@ def app(embedded_pair):
 
     target, drafter = (str(p) for p in embedded_pair)
     worker = Worker(target, drafter, block_size=8, prefix_cache_bytes=0, max_context=1024)
-    with TestClient(create_app(ServerConfig(model=target, draft_model=drafter), worker),
-                    raise_server_exceptions=False) as client:
+    with TestClient(
+        create_app(ServerConfig(model=target, draft_model=drafter), worker), raise_server_exceptions=False
+    ) as client:
         assert worker.ready.wait(120), worker.error
         yield client
 
@@ -122,16 +151,20 @@ def test_an_anthropic_tool_use_cut_off_has_stop_reason_max_tokens_and_the_comple
     body = r.json()
     assert body["stop_reason"] == "max_tokens"
     # the city string was cut off: the input holds what is complete, as Anthropic's SDK reads a stream
-    assert body["content"] == [{"type": "tool_use", "id": body["content"][0]["id"], "name": "get_weather",
-                                "input": {"days": 333333333333333}}]
+    assert body["content"] == [
+        {"type": "tool_use", "id": body["content"][0]["id"], "name": "get_weather", "input": {"days": 333333333333333}}
+    ]
 
 
 def test_a_streamed_anthropic_tool_use_cut_off_sends_the_partial_json_then_max_tokens(app, three_bias):
     events = _events(app.post("/v1/messages", json=_anthropic_body(three_bias, stream=True)))
     starts = [d["content_block"] for name, d in events if name == "content_block_start"]
     assert [b["type"] for b in starts] == ["tool_use"] and starts[0]["name"] == "get_weather"
-    partial = "".join(d["delta"]["partial_json"] for name, d in events
-                      if name == "content_block_delta" and d["delta"]["type"] == "input_json_delta")
+    partial = "".join(
+        d["delta"]["partial_json"]
+        for name, d in events
+        if name == "content_block_delta" and d["delta"]["type"] == "input_json_delta"
+    )
     assert TRUNCATED.fullmatch(partial)
     assert [d["delta"]["stop_reason"] for name, d in events if name == "message_delta"] == ["max_tokens"]
 
@@ -158,15 +191,39 @@ def test_the_issues_failing_request_gives_clean_calls_in_every_api(app, stream):
     the text, every call is reported as a call, and numbers keep the digit bound."""
     tool = {"name": "get_weather", "parameters": ISSUE_PARAMETERS}
     base = {"temperature": 0, "stream": stream}
-    chat = app.post("/v1/chat/completions", json={
-        **base, "model": MODEL, "messages": [{"role": "user", "content": QUESTION}], "max_tokens": 120,
-        "tool_choice": "required", "tools": [{"type": "function", "function": tool}]})
-    messages = app.post("/v1/messages", json={
-        **base, "model": MODEL, "messages": [{"role": "user", "content": QUESTION}], "max_tokens": 120,
-        "tool_choice": {"type": "any"}, "tools": [{"name": "get_weather", "input_schema": ISSUE_PARAMETERS}]})
-    responses = app.post("/v1/responses", json={
-        **base, "model": MODEL, "input": QUESTION, "max_output_tokens": 120, "tool_choice": "required",
-        "tools": [{"type": "function", **tool}]})
+    chat = app.post(
+        "/v1/chat/completions",
+        json={
+            **base,
+            "model": MODEL,
+            "messages": [{"role": "user", "content": QUESTION}],
+            "max_tokens": 120,
+            "tool_choice": "required",
+            "tools": [{"type": "function", "function": tool}],
+        },
+    )
+    messages = app.post(
+        "/v1/messages",
+        json={
+            **base,
+            "model": MODEL,
+            "messages": [{"role": "user", "content": QUESTION}],
+            "max_tokens": 120,
+            "tool_choice": {"type": "any"},
+            "tools": [{"name": "get_weather", "input_schema": ISSUE_PARAMETERS}],
+        },
+    )
+    responses = app.post(
+        "/v1/responses",
+        json={
+            **base,
+            "model": MODEL,
+            "input": QUESTION,
+            "max_output_tokens": 120,
+            "tool_choice": "required",
+            "tools": [{"type": "function", **tool}],
+        },
+    )
     for r in (chat, messages, responses):
         assert r.status_code == 200, r.text
         assert _clean(r.text), r.text[:2000]
@@ -180,6 +237,7 @@ def test_the_issues_failing_request_gives_clean_calls_in_every_api(app, stream):
 
 
 # ---- a real server and the official SDKs (non-streamed) ---------------------------------------
+
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):

@@ -41,6 +41,7 @@ CONVERSATION = [
 
 # ---- generation_config.json ----------------------------------------------------------------------
 
+
 def _model_dir(tmp_path, config, name: str = "model") -> str:
     (tmp_path / name).mkdir()
     (tmp_path / name / "generation_config.json").write_text(config if isinstance(config, str) else json.dumps(config))
@@ -48,8 +49,12 @@ def _model_dir(tmp_path, config, name: str = "model") -> str:
 
 
 def test_generation_defaults_are_the_files_sampling_settings_and_answer_length(tmp_path):
-    d = generation_defaults(_model_dir(tmp_path, {"do_sample": True, "temperature": 0.6, "top_p": 0.95,
-                                                  "top_k": 20, "min_p": 0.0, "max_new_tokens": 300}))
+    d = generation_defaults(
+        _model_dir(
+            tmp_path,
+            {"do_sample": True, "temperature": 0.6, "top_p": 0.95, "top_k": 20, "min_p": 0.0, "max_new_tokens": 300},
+        )
+    )
     assert d == {"temperature": 0.6, "top_p": 0.95, "top_k": 20, "min_p": 0.0, "max_new_tokens": 300}
 
 
@@ -58,7 +63,7 @@ def test_generation_defaults_with_do_sample_false_are_greedy_and_keep_the_answer
     assert d == {"temperature": 0.0, "max_new_tokens": 9}
 
 
-@pytest.mark.parametrize("text", ["[1, 2]", "null", "\"greedy\"", "{not json"])
+@pytest.mark.parametrize("text", ["[1, 2]", "null", '"greedy"', "{not json"])
 def test_a_generation_config_that_is_not_a_json_object_gives_no_defaults(tmp_path, text):
     # (chat crashed on a JSON list while the server ignored it)
     assert generation_defaults(_model_dir(tmp_path, text)) == {}
@@ -82,6 +87,7 @@ def test_generation_defaults_drop_values_the_sampler_would_refuse_so_chat_and_re
 
 # ---- message boundaries with a thinking template ------------------------------------------------
 
+
 @pytest.fixture(scope="module")
 def qwen_target(tiny_checkpoints, tmp_path_factory):
     """The tiny target with <think>/</think> tokens and the Qwen3.5-style thinking template."""
@@ -102,8 +108,17 @@ def _chat_session(target):
     from dflash2_mlx.cli.chat_session import ChatSession
     from dflash2_mlx.engine import GenerationSettings
 
-    return ChatSession(target, None, GenerationSettings(max_tokens=4), Console(file=io.StringIO()), None, None,
-                       False, 2**20, "qwen-style")
+    return ChatSession(
+        target,
+        None,
+        GenerationSettings(max_tokens=4),
+        Console(file=io.StringIO()),
+        None,
+        None,
+        False,
+        2**20,
+        "qwen-style",
+    )
 
 
 def test_chat_and_serve_store_prompt_cache_snapshots_at_the_same_message_boundaries(qwen_target):
@@ -126,9 +141,10 @@ def test_chat_and_serve_store_prompt_cache_snapshots_at_the_same_message_boundar
     # the last answer as rendered alone carries its reasoning; in this prompt it does not: the
     # boundary is where the two agree, the start of that answer (after "<|im_start|>assistant\n")
     alone = rendered(CONVERSATION[:5])
-    assert chat_ids[:len(alone)] != alone
-    start_of_answer = len(rendered(CONVERSATION[:4])) + len(tok.encode("<|im_start|>assistant\n",
-                                                                       add_special_tokens=False))
+    assert chat_ids[: len(alone)] != alone
+    start_of_answer = len(rendered(CONVERSATION[:4])) + len(
+        tok.encode("<|im_start|>assistant\n", add_special_tokens=False)
+    )
     assert start_of_answer in chat_save_at
     assert all(0 < n < len(chat_ids) for n in chat_save_at)
 
@@ -165,13 +181,16 @@ def test_the_next_turns_prompt_extends_every_boundary_stored_for_this_one(qwen_t
 
     tok = qwen_target.tokenizer
     this = render_chat(tok, CONVERSATION, None, {})
-    following = CONVERSATION + [{"role": "assistant", "content": "done", "reasoning_content": "wrap up"},
-                                {"role": "user", "content": "thanks"}]
+    following = CONVERSATION + [
+        {"role": "assistant", "content": "done", "reasoning_content": "wrap up"},
+        {"role": "user", "content": "thanks"},
+    ]
     nxt = render_chat(tok, following, None, {})
     assert this.save_at and all(nxt.ids[:n] == this.ids[:n] for n in this.save_at)
 
 
 # ---- the reasoning split ------------------------------------------------------------------------
+
 
 def test_chat_splits_reasoning_at_the_tokenizers_own_tags_and_starts_where_the_server_does(qwen_target):
     from dflash2_mlx.server.chat import render_chat

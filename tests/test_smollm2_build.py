@@ -35,13 +35,16 @@ def test_left_padding_right_aligns_prompts_to_the_longest_or_the_minimum_length(
     assert left_pad([[5]], pad_id=0, min_len=3).tolist() == [[0, 0, 5]]
 
 
-@pytest.mark.parametrize("written,question", [
-    ('A student might ask: "What is a bicycle?"', "What is a bicycle?"),
-    ("The answer to this is: What is the sum of the first n numbers?", "What is the sum of the first n numbers?"),
-    ("Sure. Here is one: how do bees make honey? They collect nectar.", "how do bees make honey?"),
-    ("What is a rainbow?", "What is a rainbow?"),
-    ("What a wonderful topic! Networks are the backbone of the internet.", None),
-])
+@pytest.mark.parametrize(
+    "written,question",
+    [
+        ('A student might ask: "What is a bicycle?"', "What is a bicycle?"),
+        ("The answer to this is: What is the sum of the first n numbers?", "What is the sum of the first n numbers?"),
+        ("Sure. Here is one: how do bees make honey? They collect nectar.", "how do bees make honey?"),
+        ("What is a rainbow?", "What is a rainbow?"),
+        ("What a wonderful topic! Networks are the backbone of the internet.", None),
+    ],
+)
 def test_a_question_is_taken_from_what_the_target_wrote_around_it(written, question):
     assert question_in(written) == question
 
@@ -53,8 +56,9 @@ def test_the_prompt_set_holds_out_every_kind_and_shares_no_request_with_training
     assert sorted(r["kind"] for r in held) == sorted(k for k in KINDS if plan.heldout_per_kind[k])
     train_requests = {fold(r["messages"][0]["content"]) for r in rows if r["split"] == "train"}
     assert not train_requests & {fold(r["messages"][0]["content"]) for r in held}
-    assert all(r["prompt"].startswith("<|im_start|>user\n") and r["prompt"].endswith("<|im_start|>assistant\n")
-               for r in rows)
+    assert all(
+        r["prompt"].startswith("<|im_start|>user\n") and r["prompt"].endswith("<|im_start|>assistant\n") for r in rows
+    )
 
 
 def test_training_sequences_are_the_prompt_tail_then_the_answer_at_one_length(tiny_build):

@@ -33,9 +33,19 @@ PREFIX, CONT, B = 12, 28, 8
 
 def small_config(**kw) -> DrafterTrainingConfig:
     base = dict(
-        block_size=B, layers=2, steps=4, seed=3, batch_size=3, blocks_per_sequence=4,
-        selector_top_k=4, selector_rank=8, learning_rate=3e-3, compile=False, log_every=1,
-        checkpoint_every=0, sliding_window=None,
+        block_size=B,
+        layers=2,
+        steps=4,
+        seed=3,
+        batch_size=3,
+        blocks_per_sequence=4,
+        selector_top_k=4,
+        selector_rank=8,
+        learning_rate=3e-3,
+        compile=False,
+        log_every=1,
+        checkpoint_every=0,
+        sliding_window=None,
     )
     base.update(kw)
     return DrafterTrainingConfig(**base)
@@ -190,7 +200,9 @@ def test_a_block_never_sees_other_blocks_or_context_at_or_after_its_anchor(targe
     # and the block's rows are exactly what inference computes for that block
     cache = drafter.make_cache()
     h = drafter(runner.embed(mx.array(blocks[0, 1][None])), feats[:1, :a], cache)
-    np.testing.assert_allclose(np.array(h[0]), np.array(base[1]), rtol=1e-5, atol=2e-5)  # float rounding of different matmul layouts
+    np.testing.assert_allclose(
+        np.array(h[0]), np.array(base[1]), rtol=1e-5, atol=2e-5
+    )  # float rounding of different matmul layouts
 
 
 # ---------------------------------------------------------------------------------------------
@@ -223,7 +235,11 @@ def test_cross_entropy_is_weighted_per_row_and_averaged_over_blocks(target):
     w = mx.array(loss_weights(B, 4.0))
     _, metrics = drafter_loss(drafter, target.runner.lm_head, hidden, labels, preds, w, config)
     logits = np.array(drafter.logits(hidden[:, 1:], target.runner.lm_head), dtype=np.float64)
-    logp = logits - np.log(np.exp(logits - logits.max(-1, keepdims=True)).sum(-1, keepdims=True)) - logits.max(-1, keepdims=True)
+    logp = (
+        logits
+        - np.log(np.exp(logits - logits.max(-1, keepdims=True)).sum(-1, keepdims=True))
+        - logits.max(-1, keepdims=True)
+    )
     ce = -np.take_along_axis(logp, np.array(labels)[..., None], -1)[..., 0]
     expected = (ce * np.array(w)).sum(-1).mean()
     assert abs(float(metrics["ce"]) - expected) < 1e-4
@@ -241,8 +257,9 @@ def test_soft_targets_mix_the_targets_distribution_into_each_rows_cross_entropy(
     vocab = target.runner.vocab_size
     target_logits = mx.array(rng.standard_normal((hidden.shape[0], B - 1, vocab)).astype(np.float32) * 3)
     _, hard = drafter_loss(drafter, target.runner.lm_head, hidden, labels, preds, w, hard_config, target_logits)
-    _, mixed = drafter_loss(drafter, target.runner.lm_head, hidden, labels, preds, w,
-                            small_config(soft_target_weight=0.25), target_logits)
+    _, mixed = drafter_loss(
+        drafter, target.runner.lm_head, hidden, labels, preds, w, small_config(soft_target_weight=0.25), target_logits
+    )
     logits = np.array(drafter.logits(hidden[:, 1:], target.runner.lm_head), dtype=np.float64)
     logq = logits - logits.max(-1, keepdims=True)
     logq -= np.log(np.exp(logq).sum(-1, keepdims=True))
@@ -264,7 +281,9 @@ def test_block_target_logits_are_the_targets_prediction_of_each_rows_label(targe
     feats, final = TargetFeatures(runner, sequences, [0], 1 << 30, final=True)(np.arange(len(sequences)))
     plain, none = TargetFeatures(runner, sequences, [0], 1 << 30)(np.arange(len(sequences)))
     assert none is None and np.array_equal(np.array(feats), np.array(plain))
-    anchors = np.stack([sample_anchors(np.random.default_rng(i), sequences.shape[1], B, 3, PREFIX) for i in range(len(sequences))])
+    anchors = np.stack(
+        [sample_anchors(np.random.default_rng(i), sequences.shape[1], B, 3, PREFIX) for i in range(len(sequences))]
+    )
     _, labels, _ = block_arrays(sequences, anchors, B, 0)
     logits = block_target_logits(runner.lm_head, final, mx.array(anchors), B)
     assert np.array_equal(np.array(mx.argmax(logits, axis=-1)), labels.reshape(-1, B - 1))
@@ -303,7 +322,11 @@ def test_selector_loss_counts_only_rows_whose_label_is_a_candidate(target):
     left = np.array(sel.predecessor_codebook[preds] * sel.hidden_projection(hidden[:, 1:]))
     scores = np.array(unary) + np.einsum("mrkd,mrd->mrk", np.array(sel.successor_codebook[candidates]), left)
     index = np.argmax(cand == lab[..., None], -1)
-    logq = scores - np.log(np.exp(scores - scores.max(-1, keepdims=True)).sum(-1, keepdims=True)) - scores.max(-1, keepdims=True)
+    logq = (
+        scores
+        - np.log(np.exp(scores - scores.max(-1, keepdims=True)).sum(-1, keepdims=True))
+        - scores.max(-1, keepdims=True)
+    )
     sce = -np.take_along_axis(logq, index[..., None], -1)[..., 0]
     wv = np.array(w)[None] * valid
     assert abs(float(metrics["sel"]) - (sce * wv).sum() / wv.sum()) < 1e-4
@@ -339,8 +362,17 @@ def test_selector_loss_does_not_reach_the_drafter_by_default(target):
 def test_the_selector_leaves_the_drafters_training_unchanged(target, sequences, tmp_path):
     """With the detached selector loss (and its gradients clipped on their own), "+ convs" and
     "+ both" train the same drafter: the ablation isolates the selector."""
-    both = train_drafter(target, sequences, tmp_path / "both", small_config(steps=3), continuation_start=PREFIX, progress=False)
-    convs = train_drafter(target, sequences, tmp_path / "convs", small_config(steps=3, selector=False), continuation_start=PREFIX, progress=False)
+    both = train_drafter(
+        target, sequences, tmp_path / "both", small_config(steps=3), continuation_start=PREFIX, progress=False
+    )
+    convs = train_drafter(
+        target,
+        sequences,
+        tmp_path / "convs",
+        small_config(steps=3, selector=False),
+        continuation_start=PREFIX,
+        progress=False,
+    )
     a, b = load_file(str(both / "model.safetensors")), load_file(str(convs / "model.safetensors"))
     assert set(a) == set(b)
     for name in a:
@@ -400,7 +432,9 @@ def test_identity_convs_compute_exactly_a_drafter_without_them(target, sequences
     anchors = np.array([[13, 20, 27]], dtype=np.int32)
     blocks, _, _ = block_arrays(sequences[:1], anchors, B, v2.config.mask_token_id)
     args = (feats, mx.array(blocks), mx.array(anchors))
-    np.testing.assert_array_equal(np.array(forward_blocks(v2, runner.embed, *args)), np.array(forward_blocks(v1, runner.embed, *args)))
+    np.testing.assert_array_equal(
+        np.array(forward_blocks(v2, runner.embed, *args)), np.array(forward_blocks(v1, runner.embed, *args))
+    )
 
 
 def test_zero_selector_walk_is_the_per_row_argmax(target):
@@ -417,7 +451,14 @@ def test_zero_selector_walk_is_the_per_row_argmax(target):
 
 
 def test_ablations_stay_frozen_and_dflash1_has_the_v1_layout(target, sequences, tmp_path):
-    no_convs = train_drafter(target, sequences, tmp_path / "nc", small_config(steps=2, convs=False), continuation_start=PREFIX, progress=False)
+    no_convs = train_drafter(
+        target,
+        sequences,
+        tmp_path / "nc",
+        small_config(steps=2, convs=False),
+        continuation_start=PREFIX,
+        progress=False,
+    )
     w = load_file(str(no_convs / "model.safetensors"))
     for name, v in w.items():
         if name.endswith("base_kernel"):
@@ -425,18 +466,34 @@ def test_ablations_stay_frozen_and_dflash1_has_the_v1_layout(target, sequences, 
         if "kernel_projection" in name:
             assert (v == 0).all(), name
     assert np.abs(w["candidate_selector.successor_codebook"]).max() > 0  # the selector did train
-    no_sel = train_drafter(target, sequences, tmp_path / "ns", small_config(steps=2, selector=False), continuation_start=PREFIX, progress=False)
+    no_sel = train_drafter(
+        target,
+        sequences,
+        tmp_path / "ns",
+        small_config(steps=2, selector=False),
+        continuation_start=PREFIX,
+        progress=False,
+    )
     w = load_file(str(no_sel / "model.safetensors"))
     assert all((v == 0).all() for n, v in w.items() if n.startswith("candidate_selector."))
     assert any(np.abs(v[:, 1]).max() > 0 for n, v in w.items() if n.endswith("base_kernel"))  # convs did train
-    v1 = train_drafter(target, sequences, tmp_path / "v1", small_config(steps=2, convs=False, selector=False), continuation_start=PREFIX, progress=False)
+    v1 = train_drafter(
+        target,
+        sequences,
+        tmp_path / "v1",
+        small_config(steps=2, convs=False, selector=False),
+        continuation_start=PREFIX,
+        progress=False,
+    )
     cfg = json.loads((v1 / "config.json").read_text())
     assert cfg["architectures"] == [DFLASH1]
     assert set(cfg["dflash_config"]) == {"block_size", "mask_token_id", "target_layer_ids", "target_model"}
     w = load_file(str(v1 / "model.safetensors"))
     assert not any("conv" in n or "selector" in n for n in w)
     assert load_drafter(str(v1)).config.architecture == DFLASH1
-    torch = pytest.importorskip("torch", reason="needs the parity extra: pip install -e '.[parity]' && pip install --no-deps dflash==0.1.0")
+    torch = pytest.importorskip(
+        "torch", reason="needs the parity extra: pip install -e '.[parity]' && pip install --no-deps dflash==0.1.0"
+    )
     pytest.importorskip("dflash.model", reason="z-lab's reference: pip install --no-deps dflash==0.1.0")
     from dflash.model import DFlashDraftModel
 
@@ -465,7 +522,15 @@ def test_a_few_steps_reduce_the_loss(target, sequences, tmp_path):
     ce = []
     for drafter in (before, after):
         h = forward_blocks(drafter, runner.embed, feats, mx.array(blocks), mx.array(anchors))
-        _, m = drafter_loss(drafter, runner.lm_head, h, mx.array(labels.reshape(len(h), -1)), mx.array(preds.reshape(len(h), -1)), w, config)
+        _, m = drafter_loss(
+            drafter,
+            runner.lm_head,
+            h,
+            mx.array(labels.reshape(len(h), -1)),
+            mx.array(preds.reshape(len(h), -1)),
+            w,
+            config,
+        )
         ce.append(float(m["ce"]))
     assert ce[1] < ce[0] - 0.5, ce
 
@@ -493,7 +558,11 @@ def test_evaluation_reproduces_the_engines_cycles(target, trained, documents):
     blocks, labels, preds = block_arrays(seqs, anchors, B, drafter.config.mask_token_id)
     hidden = forward_blocks(drafter, runner.embed, feats, mx.array(blocks), mx.array(anchors))
     m = len(hidden)
-    right = np.array(greedy_walk_correct(drafter, runner.lm_head, hidden, mx.array(labels.reshape(m, -1)), mx.array(preds.reshape(m, -1))))
+    right = np.array(
+        greedy_walk_correct(
+            drafter, runner.lm_head, hidden, mx.array(labels.reshape(m, -1)), mx.array(preds.reshape(m, -1))
+        )
+    )
     leading = np.cumprod(right, axis=-1).sum(-1).reshape(len(seqs), -1)
     total_tokens = total_cycles = 0
     for row, lead in zip(seqs, leading):
@@ -512,7 +581,9 @@ def test_checkpoint_is_the_real_layout_and_loads_identically(target, trained):
     assert d["block_size"] == B and d["mask_token_id"] == tiny.MASK_ID
     assert d["target_model"] == "tiny-hybrid" and d["target_layer_ids"] == [1, 2]
     assert (d["selector_top_k"], d["selector_rank"], d["conv_group_size"], d["conv_kernel_size"]) == (4, 8, 16, 2)
-    assert sorted(p.name for p in trained.glob("*.safetensors")) == ["model.safetensors"]  # nothing else for loaders to glob
+    assert sorted(p.name for p in trained.glob("*.safetensors")) == [
+        "model.safetensors"
+    ]  # nothing else for loaders to glob
     state = load_checkpoint_state(trained)
     assert state["step"] == 4 and state["complete"] and state["architecture"] == DFLASH2
     file = load_file(str(trained / "model.safetensors"))
@@ -525,7 +596,9 @@ def test_checkpoint_is_the_real_layout_and_loads_identically(target, trained):
 
 
 def test_zlab_reference_loads_the_checkpoint(trained):
-    torch = pytest.importorskip("torch", reason="needs the parity extra: pip install -e '.[parity]' && pip install --no-deps dflash==0.1.0")
+    torch = pytest.importorskip(
+        "torch", reason="needs the parity extra: pip install -e '.[parity]' && pip install --no-deps dflash==0.1.0"
+    )
     pytest.importorskip("dflash.model", reason="z-lab's reference: pip install --no-deps dflash==0.1.0")
     from dflash.model import DFlash2DraftModel
 
@@ -544,14 +617,18 @@ def test_zlab_reference_loads_the_checkpoint(trained):
 def test_resume_continues_bit_for_bit(target, sequences, trained, tmp_path):
     """N steps == N/2 steps, stop, resume N/2 steps (compiled steps, as in real runs)."""
     out = tmp_path / "resumed"
-    train_drafter(target, sequences, out, small_config(compile=True, stop_at_step=2), continuation_start=PREFIX, progress=False)
+    train_drafter(
+        target, sequences, out, small_config(compile=True, stop_at_step=2), continuation_start=PREFIX, progress=False
+    )
     assert load_checkpoint_state(out)["step"] == 2 and not load_checkpoint_state(out)["complete"]
     train_drafter(target, sequences, out, small_config(compile=True), continuation_start=PREFIX, progress=False)
     assert load_checkpoint_state(out)["step"] == 4
     for name in ("model.safetensors", f"{STATE_DIR}/optimizer.safetensors"):
         assert (out / name).read_bytes() == (trained / name).read_bytes(), name
     # the uncompiled step computes the same update (to float rounding)
-    plain = train_drafter(target, sequences, tmp_path / "plain", small_config(), continuation_start=PREFIX, progress=False)
+    plain = train_drafter(
+        target, sequences, tmp_path / "plain", small_config(), continuation_start=PREFIX, progress=False
+    )
     a, b = load_file(str(plain / "model.safetensors")), load_file(str(trained / "model.safetensors"))
     assert max(float(np.abs(a[k] - b[k]).max()) for k in a) < 1e-5
     # a finished run is left alone; other settings are refused
@@ -565,8 +642,14 @@ def test_resume_continues_bit_for_bit(target, sequences, trained, tmp_path):
 
 def test_features_computed_per_step_train_the_same_drafter(target, sequences, trained, tmp_path):
     """Without room to precompute the target's features, each step runs the target itself."""
-    out = train_drafter(target, sequences, tmp_path / "f", small_config(compile=True, feature_cache_bytes=0),
-                        continuation_start=PREFIX, progress=False)
+    out = train_drafter(
+        target,
+        sequences,
+        tmp_path / "f",
+        small_config(compile=True, feature_cache_bytes=0),
+        continuation_start=PREFIX,
+        progress=False,
+    )
     a, b = load_file(str(out / "model.safetensors")), load_file(str(trained / "model.safetensors"))
     assert max(float(np.abs(a[k] - b[k]).max()) for k in a) < 1e-6
 
@@ -578,27 +661,60 @@ def test_features_kept_from_before_train_bit_for_bit_the_same_drafter(target, se
     taps = json.loads((trained / "config.json").read_text())["dflash_config"]["target_layer_ids"]
     feats, _ = TargetFeatures(target.runner, sequences, taps, budget=1 << 40).cached
     kept = TargetFeatures.from_arrays(target.runner, sequences, taps, mx.array(np.array(feats)))
-    out = train_drafter(target, sequences, tmp_path / "kept", small_config(compile=True), continuation_start=PREFIX,
-                        progress=False, features=kept)
+    out = train_drafter(
+        target,
+        sequences,
+        tmp_path / "kept",
+        small_config(compile=True),
+        continuation_start=PREFIX,
+        progress=False,
+        features=kept,
+    )
     assert (out / "model.safetensors").read_bytes() == (trained / "model.safetensors").read_bytes()
     with pytest.raises(ValueError, match="other taps"):
-        train_drafter(target, sequences, tmp_path / "other", small_config(soft_target_weight=0.5),
-                      continuation_start=PREFIX, progress=False, features=kept)
+        train_drafter(
+            target,
+            sequences,
+            tmp_path / "other",
+            small_config(soft_target_weight=0.5),
+            continuation_start=PREFIX,
+            progress=False,
+            features=kept,
+        )
 
 
 def test_a_minutes_budget_ends_the_run_by_the_clock(target, sequences, tmp_path):
-    out = train_drafter(target, sequences, tmp_path / "m", small_config(steps=None, minutes=0.002),
-                        continuation_start=PREFIX, progress=False)
+    out = train_drafter(
+        target,
+        sequences,
+        tmp_path / "m",
+        small_config(steps=None, minutes=0.002),
+        continuation_start=PREFIX,
+        progress=False,
+    )
     state = load_checkpoint_state(out)
     assert state["complete"] and state["step"] >= 1 and state["elapsed"] >= 0.12
     assert load_drafter(str(out)).config.architecture == DFLASH2
 
 
 def test_init_from_a_dflash1_drafter_grows_dflash2_parts(target, sequences, tmp_path):
-    v1 = train_drafter(target, sequences, tmp_path / "v1", small_config(steps=1, convs=False, selector=False),
-                       continuation_start=PREFIX, progress=False)
-    v2 = train_drafter(target, sequences, tmp_path / "v2", small_config(steps=1, block_size=6), init=v1,
-                       continuation_start=PREFIX, progress=False)
+    v1 = train_drafter(
+        target,
+        sequences,
+        tmp_path / "v1",
+        small_config(steps=1, convs=False, selector=False),
+        continuation_start=PREFIX,
+        progress=False,
+    )
+    v2 = train_drafter(
+        target,
+        sequences,
+        tmp_path / "v2",
+        small_config(steps=1, block_size=6),
+        init=v1,
+        continuation_start=PREFIX,
+        progress=False,
+    )
     cfg = load_drafter(str(v2)).config
     assert cfg.architecture == DFLASH2 and cfg.block_size == 6
 
@@ -629,9 +745,27 @@ def test_cli_trains_from_a_text_directory(target, tmp_path):
     (corpus / "a.txt").write_text("the quick brown fox jumps over the lazy dog " * 4)
     (corpus / "b.jsonl").write_text(json.dumps({"text": "pack my box with five dozen liquor jugs"}) + "\n")
     out = tmp_path / "out"
-    args = ["--model", str(target.path), "--data", str(corpus), "--out", str(out), "--steps", "2",
-            "--num-sequences", "3", "--prefix-len", "8", "--continuation-len", "16", "--batch-size", "2",
-            "--blocks-per-sequence", "2", "--no-progress"]
+    args = [
+        "--model",
+        str(target.path),
+        "--data",
+        str(corpus),
+        "--out",
+        str(out),
+        "--steps",
+        "2",
+        "--num-sequences",
+        "3",
+        "--prefix-len",
+        "8",
+        "--continuation-len",
+        "16",
+        "--batch-size",
+        "2",
+        "--blocks-per-sequence",
+        "2",
+        "--no-progress",
+    ]
     result = CliRunner().invoke(app, args)
     assert result.exit_code == 0, (result.output, result.exception)
     assert load_drafter(str(out)).config.architecture == DFLASH2

@@ -25,28 +25,40 @@ from dflash2_mlx.training import tokenizer as tk
 # Corpus
 
 
-@pytest.mark.parametrize("path, excluded", [
-    ("os.py", False),
-    ("asyncio/events.py", False),
-    ("test/test_os.py", True),
-    ("unittest/test/test_case.py", True),
-    ("lib2to3/tests/data/fixers/myfixes/fix_first.py", True),
-    ("idlelib/idle_test/test_config.py", True),
-    ("site-packages/numpy/__init__.py", True),
-    ("ctypes/test/__init__.py", True),
-    ("_sysconfigdata__linux_x86_64-linux-gnu.py", True),
-    ("config-3.11-x86_64-linux-gnu/python-config.py", True),
-    ("encodings/cp1252.py", True),
-    ("pydoc_data/topics.py", True),
-    ("os.pyc", True),
-])
+@pytest.mark.parametrize(
+    "path, excluded",
+    [
+        ("os.py", False),
+        ("asyncio/events.py", False),
+        ("test/test_os.py", True),
+        ("unittest/test/test_case.py", True),
+        ("lib2to3/tests/data/fixers/myfixes/fix_first.py", True),
+        ("idlelib/idle_test/test_config.py", True),
+        ("site-packages/numpy/__init__.py", True),
+        ("ctypes/test/__init__.py", True),
+        ("_sysconfigdata__linux_x86_64-linux-gnu.py", True),
+        ("config-3.11-x86_64-linux-gnu/python-config.py", True),
+        ("encodings/cp1252.py", True),
+        ("pydoc_data/topics.py", True),
+        ("os.pyc", True),
+    ],
+)
 def test_exclusion_rules(path, excluded):
     assert corpus.is_excluded(path) is excluded
 
 
 def test_list_files_on_a_fake_stdlib(tmp_path):
-    for rel in ["b.py", "a.py", "pkg/__init__.py", "pkg/test/test_x.py", "tests/t.py", "site-packages/x/y.py",
-                "idlelib/idle_test/t.py", "pkg/data.txt", "pkg/sub/mod.py"]:
+    for rel in [
+        "b.py",
+        "a.py",
+        "pkg/__init__.py",
+        "pkg/test/test_x.py",
+        "tests/t.py",
+        "site-packages/x/y.py",
+        "idlelib/idle_test/t.py",
+        "pkg/data.txt",
+        "pkg/sub/mod.py",
+    ]:
         (tmp_path / rel).parent.mkdir(parents=True, exist_ok=True)
         (tmp_path / rel).write_text("x = 1\n")
     (tmp_path / "latin.py").write_bytes(b"s = '\xe9'\n")  # not UTF-8: skipped when reading
@@ -95,22 +107,25 @@ def test_deduplicate_keeps_the_first_of_verbatim_copies_in_path_order():
     assert [x.relative for x in corpus.deduplicate(files)] == ["a.py", "b.py"]
 
 
-@pytest.mark.parametrize("docstring, request_text", [
-    ("Return the maximum of a list.", "Write a function that returns the maximum of a list.\n"),
-    ("Copy data from src to dst.\n\nMore detail.", "Write a function that copies data from src to dst.\n"),
-    ("Apply   the\n  rule to x. Then more.", "Write a function that applies the rule to x.\n"),
-    ("Returns the size in bytes.", "Write a function that returns the size in bytes.\n"),
-    ("This is an internal helper.", None),
-    ("Close.", None),
-    ("lowercase start here", None),
-])
+@pytest.mark.parametrize(
+    "docstring, request_text",
+    [
+        ("Return the maximum of a list.", "Write a function that returns the maximum of a list.\n"),
+        ("Copy data from src to dst.\n\nMore detail.", "Write a function that copies data from src to dst.\n"),
+        ("Apply   the\n  rule to x. Then more.", "Write a function that applies the rule to x.\n"),
+        ("Returns the size in bytes.", "Write a function that returns the size in bytes.\n"),
+        ("This is an internal helper.", None),
+        ("Close.", None),
+        ("lowercase start here", None),
+    ],
+)
 def test_requests_are_made_from_a_docstrings_first_sentence(docstring, request_text):
     assert corpus.request_from_summary(docstring) == request_text
 
 
 def test_chat_examples_with_requests_add_a_plain_english_turn_for_documented_functions():
     text = (
-        "def big(xs):\n    \"\"\"Return the maximum of a list.\"\"\"\n    best = xs[0]\n"
+        'def big(xs):\n    """Return the maximum of a list."""\n    best = xs[0]\n'
         "    for x in xs:\n        best = max(best, x)\n    return best\n"
     )
     source = corpus.SourceFile("m.py", text, "", False)
@@ -120,27 +135,34 @@ def test_chat_examples_with_requests_add_a_plain_english_turn_for_documented_fun
     assert both == plain + [("Write a function that returns the maximum of a list.\n", plain[0][1])]
 
 
-
 def test_json_examples_describe_public_functions_in_the_grammars_own_json():
     text = (
-        "def big(xs, *rest, key=None, **kw):\n    \"\"\"Return the maximum of a list. Slowly.\"\"\"\n"
+        'def big(xs, *rest, key=None, **kw):\n    """Return the maximum of a list. Slowly."""\n'
         "    return max(xs)\n\n"
         "def _private(x):\n    return x\n\n"
         "class Box:\n    def put(self, item):\n        self.items.append(item)\n"
     )
     source = corpus.SourceFile("email/mime/__init__.py", text, "", False)
     examples = corpus.json_examples(source, percent=100)
-    assert [user for user, _ in examples] == ["Describe the function big of email.mime as JSON.",
-                                              "Describe the function put of email.mime as JSON."]
+    assert [user for user, _ in examples] == [
+        "Describe the function big of email.mime as JSON.",
+        "Describe the function put of email.mime as JSON.",
+    ]
     answers = [json.loads(answer) for _, answer in examples]
-    assert answers[0] == {"name": "big", "module": "email.mime", "parameters": ["xs", "key", "*rest", "**kw"],
-                          "returns": True, "summary": "Return the maximum of a list."}
+    assert answers[0] == {
+        "name": "big",
+        "module": "email.mime",
+        "parameters": ["xs", "key", "*rest", "**kw"],
+        "returns": True,
+        "summary": "Return the maximum of a list.",
+    }
     assert answers[1]["parameters"] == ["item"] and answers[1]["returns"] is False
     for _, answer in examples:  # one line, written with the separators the server's grammar enforces
         assert answer.endswith("}\n") and answer.count("\n") == 1
         assert answer == json.dumps(json.loads(answer), separators=(", ", ": ")) + "\n"
     assert corpus.json_examples(source, percent=0) == []
     assert corpus.module_name("os.py") == "os" and corpus.module_name("json/decoder.py") == "json.decoder"
+
 
 # ---------------------------------------------------------------------------------------------
 # Tokenizer
@@ -197,7 +219,9 @@ def test_chat_template_renders_chatml_and_matches_training_ids(small_tokenizer_d
     parts = [{"role": "user", "content": [{"type": "text", "text": "def f(x):"}]}]
     assert wrapper.apply_chat_template(parts, tokenize=False) == text[: text.index("<|im_start|>assistant")]
     tok = Tokenizer.from_file(str(small_tokenizer_dir / "a" / "tokenizer.json"))
-    assert wrapper.encode(text, add_special_tokens=False) == tk.chat_ids(tok, messages[0]["content"], messages[1]["content"])
+    assert wrapper.encode(text, add_special_tokens=False) == tk.chat_ids(
+        tok, messages[0]["content"], messages[1]["content"]
+    )
     assert wrapper.eos_token == "<|endoftext|>"
 
 
@@ -224,9 +248,22 @@ def test_chunked_gated_delta_equals_mlx_lm_recurrence():
 
 
 def tiny_config(vocab: int) -> dict:
-    return tt.model_config(vocab, 0, hidden_size=64, num_layers=3, intermediate_size=128, full_attention_interval=3,
-                           attention_heads=2, kv_heads=1, head_dim=32, linear_key_heads=1, linear_value_heads=2,
-                           linear_head_dim=32, max_context=512, name="tiny-test-target")
+    return tt.model_config(
+        vocab,
+        0,
+        hidden_size=64,
+        num_layers=3,
+        intermediate_size=128,
+        full_attention_interval=3,
+        attention_heads=2,
+        kv_heads=1,
+        head_dim=32,
+        linear_key_heads=1,
+        linear_value_heads=2,
+        linear_head_dim=32,
+        max_context=512,
+        name="tiny-test-target",
+    )
 
 
 def test_train_logits_equal_the_model_forward():
@@ -248,18 +285,23 @@ def test_five_steps_reduce_loss_and_save_a_loadable_generating_target(small_toke
     assert seqs.shape[1] == 33 and (seqs[1:, 0] == seqs[:-1, -1]).all()
     config = tiny_config(tok.get_vocab_size())
     model = tt.build_model(config, seed=0)
-    cfg = tt.TargetTrainingConfig(steps=5, batch_size=4, seq_len=32, learning_rate=1e-2, warmup_steps=1, seed=0,
-                                  chunk=16, compile=False)
+    cfg = tt.TargetTrainingConfig(
+        steps=5, batch_size=4, seq_len=32, learning_rate=1e-2, warmup_steps=1, seed=0, chunk=16, compile=False
+    )
     before = tt.evaluate_loss(model, seqs[:8], batch_size=8, chunk=16)
     history = tt.train_target(model, seqs, cfg, log=None, log_every=1)
     after = tt.evaluate_loss(model, seqs[:8], batch_size=8, chunk=16)
     assert len(history) == 5 and after < before - 0.1
     out = tt.save_target(model, config, small_tokenizer_dir / "a", tmp_path / "tiny-test-target")
-    assert {"config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json"} <= {p.name for p in out.iterdir()}
+    assert {"config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json"} <= {
+        p.name for p in out.iterdir()
+    }
     target = load_target(str(out))
     assert target.runner.kinds == ["gdn", "gdn", "attention"] and target.name == "tiny-test-target"
     ids = target.tokenizer.encode("def f(x):\n    return", add_special_tokens=False)
-    tokens = [t for e in generate_autoregressive(target.runner, ids, GenerationSettings(max_tokens=8)) for t in e.tokens]
+    tokens = [
+        t for e in generate_autoregressive(target.runner, ids, GenerationSettings(max_tokens=8)) for t in e.tokens
+    ]
     assert len(tokens) == 8
     # The loaded weights are the trained ones.
     assert mx.array_equal(model.language_model.lm_head.weight, target.runner.outer.lm_head.weight).item()
@@ -329,7 +371,10 @@ def test_the_ablation_trains_on_the_builds_own_drafter_data_and_caches_it(tmp_pa
     plan = demo_plan.QUICK
     target = load_target(str(demo_target_path()))
     seqs, prompts = ablation.training_data(plan, target, tmp_path, demo_plan.Log())
-    assert seqs.shape == (plan.drafter_sequences + plan.drafter_sampled_sequences, plan.prefix_len + plan.continuation_len)
+    assert seqs.shape == (
+        plan.drafter_sequences + plan.drafter_sampled_sequences,
+        plan.prefix_len + plan.continuation_len,
+    )
     assert len(prompts) == plan.num_prompts
     again, _ = ablation.training_data(plan, target, tmp_path, demo_plan.Log())
     assert (again == seqs).all() and len(list(tmp_path.glob("drafter_data_*.npy"))) == 1

@@ -133,8 +133,10 @@ def build_drafter(config: DrafterConfig, seed: int = 1) -> Drafter:
     drafter = Drafter(config)
     params = tree_flatten(drafter.parameters())
     keys = mx.random.split(mx.random.key(seed), len(params))
-    new = [(name, 0.2 * mx.random.normal(p.shape, key=k)) if ("base_kernel" in name or "codebook" in name) else (name, p)
-           for (name, p), k in zip(params, keys)]
+    new = [
+        (name, 0.2 * mx.random.normal(p.shape, key=k)) if ("base_kernel" in name or "codebook" in name) else (name, p)
+        for (name, p), k in zip(params, keys)
+    ]
     drafter.load_weights(new)
     mx.eval(drafter.parameters())
     return drafter
@@ -157,9 +159,9 @@ def _to_hf_names(weights: dict, config: dict) -> dict:
     out = {}
     for name, w in weights.items():
         if name.startswith("language_model.model."):
-            name = "model.language_model." + name[len("language_model.model."):]
+            name = "model.language_model." + name[len("language_model.model.") :]
         elif name.startswith("language_model."):
-            name = name[len("language_model."):]
+            name = name[len("language_model.") :]
         if "conv1d.weight" in name:
             w = w.moveaxis(2, 1)  # HF stores [C, 1, K]
         if name.endswith(("layernorm.weight", "norm.weight")) and "linear_attn.norm" not in name:
@@ -199,12 +201,16 @@ def write_tokenizer(path: Path) -> None:
         "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
         "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
     )
-    (path / "tokenizer_config.json").write_text(json.dumps({
-        "tokenizer_class": "PreTrainedTokenizerFast",
-        "eos_token": "<|endoftext|>",
-        "pad_token": "<|endoftext|>",
-        "chat_template": template,
-    }))
+    (path / "tokenizer_config.json").write_text(
+        json.dumps(
+            {
+                "tokenizer_class": "PreTrainedTokenizerFast",
+                "eos_token": "<|endoftext|>",
+                "pad_token": "<|endoftext|>",
+                "chat_template": template,
+            }
+        )
+    )
 
 
 def write_letters_tokenizer(path: Path, letters: str = "abcd") -> list[int]:
@@ -221,8 +227,9 @@ def write_letters_tokenizer(path: Path, letters: str = "abcd") -> list[int]:
     tok.add_special_tokens(["<eos>", "<mask>"])
     path.mkdir(parents=True, exist_ok=True)
     tok.save(str(path / "tokenizer.json"))
-    (path / "tokenizer_config.json").write_text(json.dumps({"tokenizer_class": "PreTrainedTokenizerFast",
-                                                            "eos_token": "<eos>"}))
+    (path / "tokenizer_config.json").write_text(
+        json.dumps({"tokenizer_class": "PreTrainedTokenizerFast", "eos_token": "<eos>"})
+    )
     return [eos, mask]
 
 

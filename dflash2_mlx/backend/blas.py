@@ -87,8 +87,12 @@ def defining_file(lib: ctypes.CDLL, symbol: str) -> Optional[str]:
     ``ctypes.CDLL(None)`` asks the process's global scope, where MLX's BLAS calls bind."""
 
     class DlInfo(ctypes.Structure):
-        _fields_ = [("fname", ctypes.c_char_p), ("fbase", ctypes.c_void_p),
-                    ("sname", ctypes.c_char_p), ("saddr", ctypes.c_void_p)]
+        _fields_ = [
+            ("fname", ctypes.c_char_p),
+            ("fbase", ctypes.c_void_p),
+            ("sname", ctypes.c_char_p),
+            ("saddr", ctypes.c_void_p),
+        ]
 
     try:
         dladdr = ctypes.CDLL(None).dladdr
@@ -161,9 +165,11 @@ def reference_blas_warning() -> Optional[str]:
 
     if mx.default_device() != mx.cpu:
         return None
-    return ("note: matmuls run on MLX's reference BLAS, where a verify pass of B tokens costs about B "
-            "plain steps, so speculative decoding gains little; fix: pip install mkl (x86-64) or "
-            "apt-get install libopenblas0-pthread")
+    return (
+        "note: matmuls run on MLX's reference BLAS, where a verify pass of B tokens costs about B "
+        "plain steps, so speculative decoding gains little; fix: pip install mkl (x86-64) or "
+        "apt-get install libopenblas0-pthread"
+    )
 
 
 # Row-major weight copies: nn.Linear multiplies by a transposed view of its weight, and on the CPU

@@ -39,7 +39,7 @@ def metal_gpu() -> bool:
 
 
 def backend() -> str:
-    """"Metal", "CUDA" or "CPU": the backend of the default device."""
+    """ "Metal", "CUDA" or "CPU": the backend of the default device."""
     if mx.default_device() == mx.gpu:
         if mx.metal.is_available():
             return "Metal"

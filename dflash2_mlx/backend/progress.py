@@ -16,9 +16,12 @@ class ProgressBar:
         from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 
         self.progress = Progress(
-            TextColumn(label), BarColumn(bar_width=12),
+            TextColumn(label),
+            BarColumn(bar_width=12),
             TextColumn(f"{{task.completed:.0f}}/{{task.total:.0f}}{' ' + unit if unit else ''}"),
-            TextColumn("{task.fields[note]}"), TimeElapsedColumn(), TimeRemainingColumn(),
+            TextColumn("{task.fields[note]}"),
+            TimeElapsedColumn(),
+            TimeRemainingColumn(),
             console=Console(stderr=True),
         )
         self.task = self.progress.add_task(label, total=total, note="")

@@ -87,8 +87,13 @@ def open_disk_cache(root: Path, max_bytes: int, target, drafter) -> Optional["Di
     except OSError as e:
         log.warning("prompt cache: cannot use %s (%s); continuing without it", root, e)
         return None
-    log.info("prompt cache: %s (%d snapshots of this model, %.1f of %.1f GB used)", cache.root, len(cache),
-             cache.nbytes / 1e9, max_bytes / 1e9)
+    log.info(
+        "prompt cache: %s (%d snapshots of this model, %.1f of %.1f GB used)",
+        cache.root,
+        len(cache),
+        cache.nbytes / 1e9,
+        max_bytes / 1e9,
+    )
     return cache
 
 
@@ -140,10 +145,14 @@ class DiskPrefixCache:
 
     def _candidates(self, tokens, need_context, longer_than) -> list[_Hit]:
         entries = self._index()
-        mine = [(k, e) for k, e in entries.items() if e.get("identity") == self.identity
-                and longer_than < e["tokens"] <= len(tokens)
-                and (e["tokens"] < len(tokens) or e.get("logits"))
-                and (e.get("context") or not need_context)]
+        mine = [
+            (k, e)
+            for k, e in entries.items()
+            if e.get("identity") == self.identity
+            and longer_than < e["tokens"] <= len(tokens)
+            and (e["tokens"] < len(tokens) or e.get("logits"))
+            and (e.get("context") or not need_context)
+        ]
         if not mine:
             return []
         wanted = {e["tokens"] for _, e in mine}
@@ -194,7 +203,12 @@ class DiskPrefixCache:
         """Whether a snapshot of exactly ``tokens`` with at least these parts is stored."""
         key = _prefix_keys(self.identity, tokens, {len(tokens)})[len(tokens)]
         e = self._index().get(key)
-        return e is not None and key not in self._damaged and (e.get("context") or not context) and (e.get("logits") or not logits)
+        return (
+            e is not None
+            and key not in self._damaged
+            and (e.get("context") or not context)
+            and (e.get("logits") or not logits)
+        )
 
     # ---- stores (copied on the caller's thread, written on the writer's) -----------------------
 
@@ -209,8 +223,9 @@ class DiskPrefixCache:
             return False
         tensors, meta = _to_host(entry)
         key = _prefix_keys(self.identity, entry.tokens, {len(entry.tokens)})[len(entry.tokens)]
-        self._pending.put(("write", key, tensors, meta, len(entry.tokens),
-                           entry.context is not None, entry.last_logits is not None))
+        self._pending.put(
+            ("write", key, tensors, meta, len(entry.tokens), entry.context is not None, entry.last_logits is not None)
+        )
         return True
 
     def flush(self, timeout: float = 30.0) -> bool:
@@ -253,8 +268,16 @@ class DiskPrefixCache:
         with self._locked():
             entries = _read_index(self._index_path)
             os.replace(tmp, self.snapshots / name)
-            entries[key] = {"identity": self.identity, "file": name, "tokens": n_tokens, "bytes": len(data),
-                            "sha256": digest, "context": has_context, "logits": has_logits, "last_use": time.time()}
+            entries[key] = {
+                "identity": self.identity,
+                "file": name,
+                "tokens": n_tokens,
+                "bytes": len(data),
+                "sha256": digest,
+                "context": has_context,
+                "logits": has_logits,
+                "last_use": time.time(),
+            }
             self._evict(entries, keep=key)
             self._write_index(entries)
         self._damaged.discard(key)
@@ -335,8 +358,13 @@ def _read_index(path: Path) -> dict:
         if raw.get("format") != FORMAT or not isinstance(entries, dict):
             raise ValueError(f"format {raw.get('format')!r}")
         for e in entries.values():
-            if not (isinstance(e["file"], str) and isinstance(e["tokens"], int) and isinstance(e["bytes"], int)
-                    and isinstance(e["sha256"], str) and isinstance(e["last_use"], (int, float))):
+            if not (
+                isinstance(e["file"], str)
+                and isinstance(e["tokens"], int)
+                and isinstance(e["bytes"], int)
+                and isinstance(e["sha256"], str)
+                and isinstance(e["last_use"], (int, float))
+            ):
                 raise ValueError("malformed entry")
         return entries
     except FileNotFoundError:
@@ -387,8 +415,14 @@ def _to_host(entry) -> tuple[dict, dict]:
     meta = {"format": FORMAT, "layers": layers, "offset": entry.target.offset}
     c = entry.context
     if c is not None:
-        meta["context"] = {"limit": c.limit, "headroom": c.headroom, "offset": c.offset, "start": c.start,
-                           "layers": len(c.keys), "positions": c.positions is not None}
+        meta["context"] = {
+            "limit": c.limit,
+            "headroom": c.headroom,
+            "offset": c.offset,
+            "start": c.start,
+            "layers": len(c.keys),
+            "positions": c.positions is not None,
+        }
         for layer, (k, v) in enumerate(zip(c.keys, c.values)):
             put(f"context.keys.{layer}", k)
             put(f"context.values.{layer}", v)
@@ -427,7 +461,9 @@ def _restore(arrays: dict, meta: dict):
             else:
                 states.append((get(f"target.{i}.keys"), get(f"target.{i}.values"), layer["offset"]))
         else:
-            states.append(tuple(get(f"target.{i}.{j}") if present else None for j, present in enumerate(layer["present"])))
+            states.append(
+                tuple(get(f"target.{i}.{j}") if present else None for j, present in enumerate(layer["present"]))
+            )
     context = None
     if "context" in meta:
         cm = meta["context"]
@@ -438,6 +474,9 @@ def _restore(arrays: dict, meta: dict):
         context.offset, context.start = cm["offset"], cm["start"]
     logits = get("last_logits") if "last_logits" in arrays else None
     snapshot = CacheSnapshot(states, meta["offset"])
-    mx.eval([a for s in states for a in s if isinstance(a, mx.array)], context.state if context else [],
-            [logits] if logits is not None else [])
+    mx.eval(
+        [a for s in states for a in s if isinstance(a, mx.array)],
+        context.state if context else [],
+        [logits] if logits is not None else [],
+    )
     return snapshot, context, logits

@@ -96,11 +96,18 @@ class PrefixCache:
                 entry.last_logits = old.last_logits
         if not self._keep(entry) and self.max_bytes > 0:
             self.too_large += 1
-            where = "kept on disk only" if self.disk is not None else \
-                "not stored (raise the prefix cache budget, or use a prompt cache directory)"
+            where = (
+                "kept on disk only"
+                if self.disk is not None
+                else "not stored (raise the prefix cache budget, or use a prompt cache directory)"
+            )
             (log.warning if self.too_large == 1 else log.info)(
                 "prefix cache: a %d-token snapshot (%.0f MB) is larger than the in-memory budget (%.0f MB): %s",
-                len(entry.tokens), entry.nbytes / 1e6, self.max_bytes / 1e6, where)
+                len(entry.tokens),
+                entry.nbytes / 1e6,
+                self.max_bytes / 1e6,
+                where,
+            )
         if self.disk is not None:
             self.disk.store(entry)
 

@@ -34,8 +34,9 @@ def rollback_setting() -> str:
     ValueError with a one-line message that says what to set."""
     value = os.environ.get(ROLLBACK_ENV, "").strip().lower() or "auto"
     if value not in ROLLBACK_SETTINGS:
-        raise ValueError(f"{ROLLBACK_ENV}={value!r} is not one of {', '.join(ROLLBACK_SETTINGS)}; "
-                         f"unset it or set one of those")
+        raise ValueError(
+            f"{ROLLBACK_ENV}={value!r} is not one of {', '.join(ROLLBACK_SETTINGS)}; unset it or set one of those"
+        )
     return value
 
 
@@ -89,8 +90,14 @@ class TargetCache:
                 state = mx.take(rec.states, keep - 1, axis=1)  # one op where [:, i] is two
             else:
                 _, state = gated_delta_update(
-                    rec.q[:, :keep], rec.k[:, :keep], rec.v[:, :keep],
-                    rec.a[:, :keep], rec.b[:, :keep], rec.A_log, rec.dt_bias, rec.state,
+                    rec.q[:, :keep],
+                    rec.k[:, :keep],
+                    rec.v[:, :keep],
+                    rec.a[:, :keep],
+                    rec.b[:, :keep],
+                    rec.A_log,
+                    rec.dt_bias,
+                    rec.state,
                 )
             window = rec.conv_input.shape[1] - fed  # K - 1
             c[0] = rec.conv_input[:, keep : keep + window]  # a view: a verify pass's input is a few rows

@@ -52,7 +52,11 @@ def generate(
     ignore_chat_template: bool = typer.Option(False, "--ignore-chat-template", help="Feed the prompt text as is."),
     system: Optional[str] = typer.Option(None, "--system", help="System prompt (with the chat template)."),
     as_json: bool = typer.Option(False, "--json", help="Print one JSON object with the text, tokens and statistics."),
-    json_schema: Optional[str] = typer.Option(None, "--json-schema", help="Force the answer into this JSON Schema (a file); constrained decoding stays speculative and lossless."),
+    json_schema: Optional[str] = typer.Option(
+        None,
+        "--json-schema",
+        help="Force the answer into this JSON Schema (a file); constrained decoding stays speculative and lossless.",
+    ),
 ) -> None:
     """Generate a completion, speculatively (default) or autoregressively (--no-draft).
 
@@ -81,8 +85,12 @@ def generate(
     tokenizer = target.tokenizer
     ids = encode_prompt(tokenizer, prompt, use_chat_template=not ignore_chat_template, system=system)
     settings = GenerationSettings(
-        max_tokens=max_tokens, sampling=sampling, seed=seed, block_size=block_size,
-        stop_token_ids=sorted(tokenizer.eos_token_ids), stop_strings=stop,
+        max_tokens=max_tokens,
+        sampling=sampling,
+        seed=seed,
+        block_size=block_size,
+        stop_token_ids=sorted(tokenizer.eos_token_ids),
+        stop_strings=stop,
         grammar=schema_grammar(schema, tokenizer, ids) if schema is not None else None,
     )
     if no_draft:
@@ -111,8 +119,14 @@ def generate(
         print(json.dumps(out))
         return
     print()
-    mode = "autoregressive" if no_draft else (f"acceptance length {stats.acceptance_length:.2f} over {stats.verify_steps} cycles; "
-                                              + controller_line(stats))
+    mode = (
+        "autoregressive"
+        if no_draft
+        else (
+            f"acceptance length {stats.acceptance_length:.2f} over {stats.verify_steps} cycles; "
+            + controller_line(stats)
+        )
+    )
     typer.echo(
         f"{stats.prompt_tokens} prompt tokens at {stats.prefill_tps:.1f} tok/s; "
         f"{stats.generation_tokens} tokens at {stats.decode_tps:.1f} tok/s; {mode}; "
@@ -123,8 +137,14 @@ def generate(
 
 @app.command()
 def doctor(
-    self_test: bool = typer.Option(True, "--self-test/--no-self-test", help="Run the five-second lossless self-test on the embedded pair."),
-    report: Optional[str] = typer.Option(None, "--report", help="Write the acceptance report (one JSON file: system, kernels, rollback, lossless, speed, memory) to this file."),
+    self_test: bool = typer.Option(
+        True, "--self-test/--no-self-test", help="Run the five-second lossless self-test on the embedded pair."
+    ),
+    report: Optional[str] = typer.Option(
+        None,
+        "--report",
+        help="Write the acceptance report (one JSON file: system, kernels, rollback, lossless, speed, memory) to this file.",
+    ),
     model: Optional[str] = model_option(),
     draft_model: Optional[str] = draft_option(),
     preset: Optional[str] = preset_option(),
@@ -161,8 +181,14 @@ def doctor(
     except ValueError as e:
         fail(str(e))
     rows = [
-        ("dflash2-mlx", f"{__version__} (Python {platform.python_version()}, {platform.system()} {platform.machine()})"),
-        ("MLX", f"{_version('mlx')} on {backend} ({info.get('device_name', 'unknown device')}); mlx-lm {_version('mlx-lm')}"),
+        (
+            "dflash2-mlx",
+            f"{__version__} (Python {platform.python_version()}, {platform.system()} {platform.machine()})",
+        ),
+        (
+            "MLX",
+            f"{_version('mlx')} on {backend} ({info.get('device_name', 'unknown device')}); mlx-lm {_version('mlx-lm')}",
+        ),
         ("BLAS", blas.status if backend == "CPU" else "not used (GPU backend)"),
         ("kernels", ", ".join(f"{name}: {where}" for name, where in kernels.active_kernels().items())),
         ("rollback", _rollback_line(rollback)),
@@ -204,18 +230,26 @@ def _gguf_rows(model: str) -> list[tuple[str, str]]:
 def _rollback_line(setting: str) -> str:
     from dflash2_mlx.backend import device
 
-    where = "CPU: each verify pass keeps its per-step states" if not device.metal_gpu() else \
-        "Metal: rollback replays the recurrence from the verify pass's recorded inputs"
-    path = {"keep": "keep (forced by DFLASH2_MLX_ROLLBACK)", "replay": "replay (forced by DFLASH2_MLX_ROLLBACK)",
-            "auto": f"auto ({where}; DFLASH2_MLX_ROLLBACK=keep|replay overrides)"}[setting]
+    where = (
+        "CPU: each verify pass keeps its per-step states"
+        if not device.metal_gpu()
+        else "Metal: rollback replays the recurrence from the verify pass's recorded inputs"
+    )
+    path = {
+        "keep": "keep (forced by DFLASH2_MLX_ROLLBACK)",
+        "replay": "replay (forced by DFLASH2_MLX_ROLLBACK)",
+        "auto": f"auto ({where}; DFLASH2_MLX_ROLLBACK=keep|replay overrides)",
+    }[setting]
     return path
 
 
 def _exactness_line(backend: str) -> str:
     if backend == "CPU":
         return "CPU float32: speculative output is identical to plain decoding, token for token"
-    return ("bf16/quantized on the GPU: equal to plain decoding up to floating-point near-ties "
-            "(verify rows and plain steps round differently); float32 models: identical")
+    return (
+        "bf16/quantized on the GPU: equal to plain decoding up to floating-point near-ties "
+        "(verify rows and plain steps round differently); float32 models: identical"
+    )
 
 
 def _write_report(path, model, draft_model, preset, prompts, tokens, speed_tokens, long) -> bool:
@@ -233,12 +267,15 @@ def _write_report(path, model, draft_model, preset, prompts, tokens, speed_token
         ids = [list(target.tokenizer.encode(p)) for p in doctor_report.CHAT_PROMPTS]
     ids = (ids * ((prompts + len(ids) - 1) // len(ids)))[:prompts]
     options = doctor_report.ReportOptions(prompts=prompts, tokens=tokens, speed_tokens=speed_tokens, long=long)
-    result = doctor_report.build_report(target, drafter, ids, choice.label, options,
-                                        progress=lambda line: typer.echo(f"report: {line}", err=True))
+    result = doctor_report.build_report(
+        target, drafter, ids, choice.label, options, progress=lambda line: typer.echo(f"report: {line}", err=True)
+    )
     doctor_report.write_report(result, path)
     lossless = result["lossless"]
-    typer.echo(f"report: {path}: lossless {lossless['verdict']} ({lossless['identical']}/{lossless['prompts']} "
-               f"identical, rounding bound {lossless['rounding']['bound']:.3g}); attach it to your issue")
+    typer.echo(
+        f"report: {path}: lossless {lossless['verdict']} ({lossless['identical']}/{lossless['prompts']} "
+        f"identical, rounding bound {lossless['rounding']['bound']:.3g}); attach it to your issue"
+    )
     return lossless["verdict"] == "pass"
 
 
@@ -267,7 +304,9 @@ def _self_test(max_tokens: int = 48) -> tuple[bool, str]:
     for event in generate_speculative(target.runner, drafter, ids, settings, target.tokenizer):
         spec += event.tokens
         stats = event.stats or stats
-    plain = [t for event in generate_autoregressive(target.runner, ids, settings, target.tokenizer) for t in event.tokens]
+    plain = [
+        t for event in generate_autoregressive(target.runner, ids, settings, target.tokenizer) for t in event.tokens
+    ]
     seconds = time.perf_counter() - t0
     if spec != plain:
         bound = doctor_report.rounding_bound(target.runner, [(ids, plain)], drafter.config.block_size)["bound"]
@@ -276,10 +315,14 @@ def _self_test(max_tokens: int = 48) -> tuple[bool, str]:
         if not found["within_bound"]:
             gap = "no gap: one output is longer" if found["top2_gap"] is None else f"top-2 gap {found['top2_gap']:.3g}"
             return False, f"FAILED: {where} ({gap}, rounding bound {bound:.3g})"
-        return True, (f"lossless up to a near-tie: {where}, top-2 gap {found['top2_gap']:.3g} within the "
-                      f"rounding bound {bound:.3g} ({seconds:.1f} s)")
-    return True, (f"lossless: speculative == autoregressive greedy on {len(plain)} tokens, "
-                  f"acceptance length {stats.acceptance_length:.2f} ({seconds:.1f} s)")
+        return True, (
+            f"lossless up to a near-tie: {where}, top-2 gap {found['top2_gap']:.3g} within the "
+            f"rounding bound {bound:.3g} ({seconds:.1f} s)"
+        )
+    return True, (
+        f"lossless: speculative == autoregressive greedy on {len(plain)} tokens, "
+        f"acceptance length {stats.acceptance_length:.2f} ({seconds:.1f} s)"
+    )
 
 
 def _register() -> None:

@@ -29,19 +29,30 @@ def bench_command(
     draft_model: Optional[str] = draft_option(),
     preset: Optional[str] = preset_option(),
     prompts: Optional[Path] = typer.Option(
-        None, "--prompts", help='JSON-lines prompt file: {"prompt": "..."} per line (fed as is) or '
+        None,
+        "--prompts",
+        help='JSON-lines prompt file: {"prompt": "..."} per line (fed as is) or '
         '{"messages": [...]} (chat template applied). Default: the built-in set (the embedded pair\'s '
-        "own prompts when running the embedded pair)."),
+        "own prompts when running the embedded pair).",
+    ),
     max_tokens: int = typer.Option(256, "--max-tokens", help="Tokens generated per prompt and mode."),
     temp: float = typer.Option(0.0, "--temp", help="Sampling temperature; 0 is greedy (then `identical` is checked)."),
     block_size: str = block_size_option(),
     seed: Optional[int] = typer.Option(None, "--seed", help="Random seed, set before each run."),
     limit: Optional[int] = typer.Option(None, "--limit", help="Only the first N prompts."),
-    as_json: bool = typer.Option(False, "--json", help='Print one JSON object {"mean": {...}, "prompts": [...]} on stdout.'),
-    plot: Optional[Path] = typer.Option(None, "--plot", help="Save a PNG chart (needs the `plot` extra: pip install 'dflash2-mlx\\[plot]')."),
-    profile: bool = typer.Option(False, "--profile", help="Then decode the prompts once more with a host sync after every phase and "
-                                 "report where a cycle's time goes (draft, selector, verify, accept, rollback, other) as shares "
-                                 "of the cycle; with --json, under \"profile\"."),
+    as_json: bool = typer.Option(
+        False, "--json", help='Print one JSON object {"mean": {...}, "prompts": [...]} on stdout.'
+    ),
+    plot: Optional[Path] = typer.Option(
+        None, "--plot", help="Save a PNG chart (needs the `plot` extra: pip install 'dflash2-mlx\\[plot]')."
+    ),
+    profile: bool = typer.Option(
+        False,
+        "--profile",
+        help="Then decode the prompts once more with a host sync after every phase and "
+        "report where a cycle's time goes (draft, selector, verify, accept, rollback, other) as shares "
+        'of the cycle; with --json, under "profile".',
+    ),
 ) -> None:
     """Acceptance length and decode throughput over a prompt set, DFlash 2 against plain decoding.
 
@@ -79,8 +90,13 @@ def bench_command(
     block_size = parse_block_size(block_size)
     target, drafter = load_models(choice, block_size)
     tokenizer = target.tokenizer
-    settings = GenerationSettings(max_tokens=max_tokens, sampling=sampling, seed=seed, block_size=block_size,
-                                  stop_token_ids=sorted(tokenizer.eos_token_ids))
+    settings = GenerationSettings(
+        max_tokens=max_tokens,
+        sampling=sampling,
+        seed=seed,
+        block_size=block_size,
+        stop_token_ids=sorted(tokenizer.eos_token_ids),
+    )
     err = Console(stderr=True)
 
     def progress(i: int, r: dict) -> None:
@@ -88,12 +104,15 @@ def bench_command(
             return
         speed = f"{r['speedup']:.2f}x" if r["speedup"] else "n/a"
         same = {True: "identical", False: f"DIFFERS at token {r['first_difference']}", None: "sampled"}[r["identical"]]
-        err.print(f"[dim]prompt {i + 1}/{len(lines)}: acceptance {r['acceptance_length']:.2f}, "
-                  f"{r['spec_decode_tps']:.1f} vs {r['ar_decode_tps']:.1f} tok/s ({speed}), {same}[/dim]",
-                  highlight=False)
+        err.print(
+            f"[dim]prompt {i + 1}/{len(lines)}: acceptance {r['acceptance_length']:.2f}, "
+            f"{r['spec_decode_tps']:.1f} vs {r['ar_decode_tps']:.1f} tok/s ({speed}), {same}[/dim]",
+            highlight=False,
+        )
 
-    result = bench.run_bench(target, drafter, lines, settings, lambda line: encode_line(tokenizer, line),
-                             on_prompt=progress)
+    result = bench.run_bench(
+        target, drafter, lines, settings, lambda line: encode_line(tokenizer, line), on_prompt=progress
+    )
     if plot is not None:
         bench.plot(result, plot, title=f"{choice.label}, {max_tokens} tokens, T={temp:g}")
     profiled = None
@@ -114,15 +133,19 @@ def bench_command(
     if plot is not None:
         out.print(f"plot saved to {plot}", highlight=False)
     if any(r["identical"] is False for r in result.contract["prompts"]):
-        err.print("[yellow]warning: some greedy outputs differ between speculative and plain decoding "
-                  "(expected only for bf16/quantized models on Apple GPUs, at near-ties)[/yellow]")
+        err.print(
+            "[yellow]warning: some greedy outputs differ between speculative and plain decoding "
+            "(expected only for bf16/quantized models on Apple GPUs, at near-ties)[/yellow]"
+        )
 
 
 def _table(result, label: str, max_tokens: int, temp: float, block_size):
     from rich.table import Table
 
-    table = Table(title=f"DFlash 2 vs autoregressive: {label}, {max_tokens} tokens, T={temp:g}, block {block_size}",
-                  title_justify="left")
+    table = Table(
+        title=f"DFlash 2 vs autoregressive: {label}, {max_tokens} tokens, T={temp:g}, block {block_size}",
+        title_justify="left",
+    )
     table.add_column("#", justify="right")
     table.add_column("prompt", overflow="ellipsis", no_wrap=True, max_width=44)
     table.add_column("tokens", justify="right")
@@ -134,14 +157,30 @@ def _table(result, label: str, max_tokens: int, temp: float, block_size):
     table.add_column("speculative / plain / probe tokens, blocks", overflow="ellipsis", no_wrap=True, max_width=40)
     for i, (r, d) in enumerate(zip(result.contract["prompts"], result.details)):
         same = {True: "[green]yes[/green]", False: f"[red]no @{d['first_difference']}[/red]", None: "–"}[r["identical"]]
-        table.add_row(str(i + 1), d["prompt"], str(d["generation_tokens"]), f"{r['acceptance_length']:.2f}",
-                      f"{r['spec_decode_tps']:.1f}", f"{r['ar_decode_tps']:.1f}", _x(r["speedup"]), same,
-                      _modes(r["controller"]))
+        table.add_row(
+            str(i + 1),
+            d["prompt"],
+            str(d["generation_tokens"]),
+            f"{r['acceptance_length']:.2f}",
+            f"{r['spec_decode_tps']:.1f}",
+            f"{r['ar_decode_tps']:.1f}",
+            _x(r["speedup"]),
+            same,
+            _modes(r["controller"]),
+        )
     m = result.contract["mean"]
     table.add_section()
-    table.add_row("", "[bold]mean[/bold]", "", f"[bold]{m['acceptance_length']:.2f}[/bold]",
-                  f"[bold]{m['spec_decode_tps']:.1f}[/bold]", f"[bold]{m['ar_decode_tps']:.1f}[/bold]",
-                  f"[bold]{_x(m['speedup'])}[/bold]", "", _modes(m["controller"]))
+    table.add_row(
+        "",
+        "[bold]mean[/bold]",
+        "",
+        f"[bold]{m['acceptance_length']:.2f}[/bold]",
+        f"[bold]{m['spec_decode_tps']:.1f}[/bold]",
+        f"[bold]{m['ar_decode_tps']:.1f}[/bold]",
+        f"[bold]{_x(m['speedup'])}[/bold]",
+        "",
+        _modes(m["controller"]),
+    )
     return table
 
 
@@ -160,15 +199,19 @@ def _profile_table(profiled: dict):
 
     step = profiled.get("ar_step_ms")
     per_cycle = profiled["ms_per_cycle"]
-    title = (f"Where a cycle goes: {per_cycle:.1f} ms per cycle (profiled, with a sync per phase) over "
-             f"{profiled['cycles']} cycles" + (f"; one autoregressive step {step:.1f} ms" if step else ""))
+    title = (
+        f"Where a cycle goes: {per_cycle:.1f} ms per cycle (profiled, with a sync per phase) over "
+        f"{profiled['cycles']} cycles" + (f"; one autoregressive step {step:.1f} ms" if step else "")
+    )
     table = Table(title=title, title_justify="left")
     table.add_column("phase")
     table.add_column("share", justify="right")
     table.add_column("ms / cycle", justify="right")
     table.add_column("what")
     for phase in PHASES:
-        table.add_row(phase, f"{100 * profiled['shares'][phase]:.1f}%", f"{profiled['ms'][phase]:.2f}", DESCRIPTIONS[phase])
+        table.add_row(
+            phase, f"{100 * profiled['shares'][phase]:.1f}%", f"{profiled['ms'][phase]:.2f}", DESCRIPTIONS[phase]
+        )
     return table
 
 

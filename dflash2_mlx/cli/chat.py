@@ -37,20 +37,52 @@ def chat_command(
     draft_model: Optional[str] = draft_option(),
     preset: Optional[str] = preset_option(),
     system: Optional[str] = typer.Option(None, "--system", "-s", help="System prompt (change it later with /system)."),
-    max_tokens: Optional[int] = typer.Option(None, "--max-tokens", help="Maximum tokens per answer (reasoning included). Default: generation_config.json's max_new_tokens, else 2048."),
-    temp: Optional[float] = typer.Option(None, "--temp", help="Sampling temperature; 0 is greedy. Default: the model's generation_config.json, else 0."),
-    top_p: Optional[float] = typer.Option(None, "--top-p", help="Nucleus sampling mass (0, 1]. Default: generation_config.json, else 1."),
-    top_k: Optional[int] = typer.Option(None, "--top-k", help="Sample among the k most likely tokens; 0 disables. Default: generation_config.json, else 0."),
-    min_p: Optional[float] = typer.Option(None, "--min-p", help="Drop tokens below min_p times the top probability. Default: generation_config.json, else 0."),
+    max_tokens: Optional[int] = typer.Option(
+        None,
+        "--max-tokens",
+        help="Maximum tokens per answer (reasoning included). Default: generation_config.json's max_new_tokens, else 2048.",
+    ),
+    temp: Optional[float] = typer.Option(
+        None, "--temp", help="Sampling temperature; 0 is greedy. Default: the model's generation_config.json, else 0."
+    ),
+    top_p: Optional[float] = typer.Option(
+        None, "--top-p", help="Nucleus sampling mass (0, 1]. Default: generation_config.json, else 1."
+    ),
+    top_k: Optional[int] = typer.Option(
+        None,
+        "--top-k",
+        help="Sample among the k most likely tokens; 0 disables. Default: generation_config.json, else 0.",
+    ),
+    min_p: Optional[float] = typer.Option(
+        None,
+        "--min-p",
+        help="Drop tokens below min_p times the top probability. Default: generation_config.json, else 0.",
+    ),
     seed: Optional[int] = typer.Option(None, "--seed", help="Random seed for sampling."),
     block_size: str = block_size_option(),
-    no_draft: bool = typer.Option(False, "--no-draft", help="Plain autoregressive decoding (no drafter), for comparison."),
-    thinking: Optional[bool] = typer.Option(None, "--thinking/--no-thinking", help="Turn the model's reasoning on or off (chat template enable_thinking). Default: the template's."),
-    show_thinking: bool = typer.Option(False, "--show-thinking", help="Print reasoning in full (dimmed) instead of collapsing it to one line."),
-    cache_gb: float = typer.Option(2.0, "--cache-gb", help="Memory budget of the prefix cache that lets later turns skip re-reading the conversation."),
+    no_draft: bool = typer.Option(
+        False, "--no-draft", help="Plain autoregressive decoding (no drafter), for comparison."
+    ),
+    thinking: Optional[bool] = typer.Option(
+        None,
+        "--thinking/--no-thinking",
+        help="Turn the model's reasoning on or off (chat template enable_thinking). Default: the template's.",
+    ),
+    show_thinking: bool = typer.Option(
+        False, "--show-thinking", help="Print reasoning in full (dimmed) instead of collapsing it to one line."
+    ),
+    cache_gb: float = typer.Option(
+        2.0,
+        "--cache-gb",
+        help="Memory budget of the prefix cache that lets later turns skip re-reading the conversation.",
+    ),
     prompt_cache_dir: Optional[str] = prompt_cache_option(),
-    prompt_cache_gb: float = typer.Option(8.0, "--prompt-cache-gb", help="Disk budget of the prompt cache directory, in GB."),
-    json_schema: Optional[str] = typer.Option(None, "--json-schema", help="Force every answer into this JSON Schema (a file; change it with /schema)."),
+    prompt_cache_gb: float = typer.Option(
+        8.0, "--prompt-cache-gb", help="Disk budget of the prompt cache directory, in GB."
+    ),
+    json_schema: Optional[str] = typer.Option(
+        None, "--json-schema", help="Force every answer into this JSON Schema (a file; change it with /schema)."
+    ),
 ) -> None:
     """Chat in the terminal with streaming answers, using the model's chat template.
 
@@ -86,19 +118,41 @@ def chat_command(
     sampling = chat_sampling(target.path, temp, top_p, top_k, min_p)
     if max_tokens is None:
         max_tokens = int(generation_defaults(target.path).get("max_new_tokens", DEFAULT_MAX_TOKENS))
-    settings = GenerationSettings(max_tokens=max_tokens, sampling=sampling, seed=seed, block_size=block_size,
-                                  stop_token_ids=sorted(target.tokenizer.eos_token_ids))
+    settings = GenerationSettings(
+        max_tokens=max_tokens,
+        sampling=sampling,
+        seed=seed,
+        block_size=block_size,
+        stop_token_ids=sorted(target.tokenizer.eos_token_ids),
+    )
     console = Console(highlight=False)
     disk = None
     if cache_dir is not None and prompt_cache_gb > 0:
         from dflash2_mlx.caches.disk import open_disk_cache
 
         disk = open_disk_cache(cache_dir, int(prompt_cache_gb * 2**30), target, drafter)
-    session = ChatSession(target, drafter, settings, console, system, thinking, show_thinking,
-                          int(cache_gb * 2**30), choice.label, disk, schema, json_schema)
+    session = ChatSession(
+        target,
+        drafter,
+        settings,
+        console,
+        system,
+        thinking,
+        show_thinking,
+        int(cache_gb * 2**30),
+        choice.label,
+        disk,
+        schema,
+        json_schema,
+    )
     blocks = f"block {block_size}" if block_size else "auto block size"
-    mode = (f"DFlash 2, {blocks}" if drafter is not None and drafter.config.is_dflash2
-            else f"DFlash, {blocks}" if drafter is not None else "plain decoding")
+    mode = (
+        f"DFlash 2, {blocks}"
+        if drafter is not None and drafter.config.is_dflash2
+        else f"DFlash, {blocks}"
+        if drafter is not None
+        else "plain decoding"
+    )
     samp = "greedy" if sampling.greedy else f"T={sampling.temperature:g}"
     console.print(f"dflash2-mlx chat · {choice.label} · {mode} · {samp}", style="bold", markup=False)
     console.print("/help for commands · Ctrl-C stops an answer · Ctrl-D or /exit leaves", style="dim", markup=False)

@@ -83,9 +83,21 @@ class Turn:
 class ChatSession:
     """One terminal conversation: its messages, system prompt, JSON Schema, turns and prefix cache."""
 
-    def __init__(self, target, drafter, settings, console, system: Optional[str], thinking: Optional[bool],
-                 show_thinking: bool, cache_bytes: int, label: str, disk=None, schema: Optional[dict] = None,
-                 schema_path: Optional[str] = None):
+    def __init__(
+        self,
+        target,
+        drafter,
+        settings,
+        console,
+        system: Optional[str],
+        thinking: Optional[bool],
+        show_thinking: bool,
+        cache_bytes: int,
+        label: str,
+        disk=None,
+        schema: Optional[dict] = None,
+        schema_path: Optional[str] = None,
+    ):
         from dflash2_mlx.caches.prefix import PrefixCache
 
         self.target, self.drafter, self.settings = target, drafter, settings
@@ -130,13 +142,24 @@ class ChatSession:
         grammar = schema_grammar(self.schema, self.tokenizer, ids) if self.schema is not None else None
         settings = _replace(self.settings, cancel=cancel, grammar=grammar)
         if self.drafter is not None:
-            events = generate_speculative(self.target.runner, self.drafter, ids, settings, self.tokenizer,
-                                          prefix_cache=self.cache, save_at=save_at)
+            events = generate_speculative(
+                self.target.runner,
+                self.drafter,
+                ids,
+                settings,
+                self.tokenizer,
+                prefix_cache=self.cache,
+                save_at=save_at,
+            )
         else:
-            events = generate_autoregressive(self.target.runner, ids, settings, self.tokenizer,
-                                             prefix_cache=self.cache, save_at=save_at)
-        printer = TurnPrinter(self.console, self.show_thinking,
-                              ThinkSplitter(self.tags, in_think=initial_state(self.tokenizer, ids) == "reasoning"))
+            events = generate_autoregressive(
+                self.target.runner, ids, settings, self.tokenizer, prefix_cache=self.cache, save_at=save_at
+            )
+        printer = TurnPrinter(
+            self.console,
+            self.show_thinking,
+            ThinkSplitter(self.tags, in_think=initial_state(self.tokenizer, ids) == "reasoning"),
+        )
         stats, ttft = None, None
         previous = signal.signal(signal.SIGINT, lambda *_: cancel.set())
         try:
@@ -178,13 +201,21 @@ class ChatSession:
         )
         self.turns.append(turn)
         self.console.print(turn.line(), style="dim", markup=False, highlight=False)
-        if (self.drafter is not None and not self.warned and turn.verify_steps >= 8
-                and turn.acceptance_length is not None and turn.acceptance_length < 1.5):
+        if (
+            self.drafter is not None
+            and not self.warned
+            and turn.verify_steps >= 8
+            and turn.acceptance_length is not None
+            and turn.acceptance_length < 1.5
+        ):
             self.warned = True
             self.console.print(
                 f"warning: acceptance length {turn.acceptance_length:.2f} is far below what a matched drafter reaches; "
                 "is this drafter made for this target (and its quantization)?",
-                style="yellow", markup=False, highlight=False)
+                style="yellow",
+                markup=False,
+                highlight=False,
+            )
         return turn
 
     # -- commands -----------------------------------------------------------------------------
@@ -205,8 +236,11 @@ class ChatSession:
             c.print("conversation cleared" + (" (system prompt kept)" if self.system else ""), style="dim")
         elif name == "/system":
             if not arg:
-                c.print(f"system prompt: {self.system!r}" if self.system else "no system prompt",
-                        markup=False, highlight=False)
+                c.print(
+                    f"system prompt: {self.system!r}" if self.system else "no system prompt",
+                    markup=False,
+                    highlight=False,
+                )
             elif arg == "-":
                 self.system = None
                 c.print("system prompt removed", style="dim")
@@ -241,8 +275,13 @@ class ChatSession:
 
         c = self.console
         if not arg:
-            c.print(f"answers follow the JSON Schema in {self.schema_path}" if self.schema is not None
-                    else "no JSON Schema: answers are free text", markup=False, highlight=False)
+            c.print(
+                f"answers follow the JSON Schema in {self.schema_path}"
+                if self.schema is not None
+                else "no JSON Schema: answers are free text",
+                markup=False,
+                highlight=False,
+            )
         elif arg == "-":
             self.schema = self.schema_path = None
             c.print("JSON Schema removed: answers are free text", style="dim")
@@ -256,13 +295,19 @@ class ChatSession:
             c.print(f"answers now follow the JSON Schema in {arg}", style="dim", markup=False, highlight=False)
 
     def save(self, path: Path) -> None:
-        data = {"format": "dflash2-mlx-chat", "version": 1, "model": self.label, "system": self.system,
-                "messages": self.messages}
+        data = {
+            "format": "dflash2-mlx-chat",
+            "version": 1,
+            "model": self.label,
+            "system": self.system,
+            "messages": self.messages,
+        }
         try:
             path.write_text(json.dumps(data, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
         except OSError as e:
-            self.console.print(f"error: cannot write {path}: {e.strerror or e}",
-                               style="red", markup=False, highlight=False)
+            self.console.print(
+                f"error: cannot write {path}: {e.strerror or e}", style="red", markup=False, highlight=False
+            )
             return
         self.console.print(f"saved {len(self.messages)} messages to {path}", style="dim", markup=False, highlight=False)
 
@@ -279,12 +324,17 @@ class ChatSession:
         self.system, self.messages = system, messages
         self.last_reasoning = ""
         with_system = " (with a system prompt)" if system else ""
-        self.console.print(f"loaded {len(messages)} messages from {path}{with_system}",
-                           style="dim", markup=False, highlight=False)
+        self.console.print(
+            f"loaded {len(messages)} messages from {path}{with_system}", style="dim", markup=False, highlight=False
+        )
         for m in messages[-2:]:
             text = " ".join(m["content"].split())
-            self.console.print(f"  {m['role']}: {printable(text[:100])}{'…' if len(text) > 100 else ''}",
-                               style="dim", markup=False, highlight=False)
+            self.console.print(
+                f"  {m['role']}: {printable(text[:100])}{'…' if len(text) > 100 else ''}",
+                style="dim",
+                markup=False,
+                highlight=False,
+            )
 
     def print_stats(self) -> None:
         from rich.table import Table
@@ -298,9 +348,17 @@ class ChatSession:
                 table.add_column(col, justify="left" if col == "end" else "right")
             for i, t in enumerate(self.turns, 1):
                 accept = "–" if t.acceptance_length is None else f"{t.acceptance_length:.2f}"
-                table.add_row(str(i), str(t.prompt_tokens), str(t.prefilled), str(t.cached_tokens), str(t.generated),
-                              f"{t.decode_tps:.1f}", accept,
-                              fmt_seconds(t.ttft) if t.ttft is not None else "–", t.finish_reason)
+                table.add_row(
+                    str(i),
+                    str(t.prompt_tokens),
+                    str(t.prefilled),
+                    str(t.cached_tokens),
+                    str(t.generated),
+                    f"{t.decode_tps:.1f}",
+                    accept,
+                    fmt_seconds(t.ttft) if t.ttft is not None else "–",
+                    t.finish_reason,
+                )
             c.print(table)
             cycles = sum(t.verify_steps for t in self.turns)
             total = sum(t.generated for t in self.turns)
@@ -313,9 +371,12 @@ class ChatSession:
             cached = sum(t.cached_tokens for t in self.turns)
             line += f"; prompt tokens {prefilled} prefilled, {cached} restored from the prefix cache"
             c.print(line, markup=False, highlight=False)
-        c.print(f"prefix cache: {len(self.cache)} snapshots, {self.cache.nbytes / 2**20:.1f} MiB of "
-                f"{self.cache.max_bytes / 2**30:.1f} GiB; {self.cache.hits} hits, {self.cache.misses} misses",
-                markup=False, highlight=False)
+        c.print(
+            f"prefix cache: {len(self.cache)} snapshots, {self.cache.nbytes / 2**20:.1f} MiB of "
+            f"{self.cache.max_bytes / 2**30:.1f} GiB; {self.cache.hits} hits, {self.cache.misses} misses",
+            markup=False,
+            highlight=False,
+        )
 
     # -- the loop -----------------------------------------------------------------------------
 
@@ -378,8 +439,11 @@ def _parse_conversation(data) -> tuple[Optional[str], list[dict]]:
         raise ValueError('expected {"messages": [...]} or a list of messages')
     out = []
     for m in messages:
-        if (not isinstance(m, dict) or m.get("role") not in ("system", "user", "assistant")
-                or not isinstance(m.get("content"), str)):
+        if (
+            not isinstance(m, dict)
+            or m.get("role") not in ("system", "user", "assistant")
+            or not isinstance(m.get("content"), str)
+        ):
             raise ValueError('each message needs a "role" (system, user or assistant) and a "content" string')
         if m["role"] == "system":
             system = m["content"]

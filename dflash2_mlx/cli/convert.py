@@ -50,8 +50,9 @@ def convert_drafter(src: Path, out: Path, quantize: bool, bits: int, group_size:
 
     drafter = load_drafter(str(src), ActivationChoice(None, "as stored, for conversion"))
     target_dtype = getattr(mx, dtype)
-    drafter.update(tree_map(lambda p: p.astype(target_dtype) if mx.issubdtype(p.dtype, mx.floating) else p,
-                            drafter.parameters()))
+    drafter.update(
+        tree_map(lambda p: p.astype(target_dtype) if mx.issubdtype(p.dtype, mx.floating) else p, drafter.parameters())
+    )
     raw = json.loads((src / "config.json").read_text())
     raw.pop("quantization", None)
     raw.pop("quantization_config", None)
@@ -70,8 +71,11 @@ def convert_drafter(src: Path, out: Path, quantize: bool, bits: int, group_size:
         if (src / extra).exists() and not (out / extra).exists():
             (out / extra).write_bytes((src / extra).read_bytes())
     quantized = sorted({k.rsplit(".", 1)[0] for k in weights if k.endswith(".scales")})
-    return {"tensors": len(weights), "quantized_modules": len(quantized),
-            "bytes": sum(v.nbytes for v in weights.values())}
+    return {
+        "tensors": len(weights),
+        "quantized_modules": len(quantized),
+        "bytes": sum(v.nbytes for v in weights.values()),
+    }
 
 
 def drafter_warnings(quantize: bool, bits: int, dtype: str) -> list[str]:
@@ -84,11 +88,14 @@ def drafter_warnings(quantize: bool, bits: int, dtype: str) -> list[str]:
     """
     warnings = []
     if quantize and bits == 4:
-        warnings.append("4-bit drafters are known to collapse acceptance on some Macs; "
-                        "--q-bits 8 (the default) keeps it")
+        warnings.append(
+            "4-bit drafters are known to collapse acceptance on some Macs; --q-bits 8 (the default) keeps it"
+        )
     if dtype == "float16":
-        warnings.append("float16 drafters are known to collapse acceptance (16-bit activations overflow to NaN "
-                        "draft logits); --dtype bfloat16 (the default) keeps it")
+        warnings.append(
+            "float16 drafters are known to collapse acceptance (16-bit activations overflow to NaN "
+            "draft logits); --dtype bfloat16 (the default) keeps it"
+        )
     return warnings
 
 
@@ -102,12 +109,22 @@ def convert_command(
     hf_path: str = typer.Option(..., "--hf-path", help="Source checkpoint: local directory or Hugging Face repo id."),
     out: Path = typer.Option(..., "--out", help="Output directory (must not exist, or be empty)."),
     quantize: Optional[bool] = typer.Option(
-        None, "--quantize/--no-quantize",
-        help="Quantize the linear layers. Default: off for a target, on (8-bit) for a drafter."),
-    q_bits: Optional[int] = typer.Option(None, "--q-bits", help="Bits per weight, 4 or 8. Default: 4 for a target, 8 for a drafter."),
+        None,
+        "--quantize/--no-quantize",
+        help="Quantize the linear layers. Default: off for a target, on (8-bit) for a drafter.",
+    ),
+    q_bits: Optional[int] = typer.Option(
+        None, "--q-bits", help="Bits per weight, 4 or 8. Default: 4 for a target, 8 for a drafter."
+    ),
     q_group_size: int = typer.Option(64, "--q-group-size", help="Weights sharing one scale and bias: 32, 64 or 128."),
-    draft: bool = typer.Option(False, "--draft", help="The source is a DFlash / DFlash 2 drafter (detected from its config.json anyway)."),
-    dtype: Optional[str] = typer.Option(None, "--dtype", help="Float type of what is not quantized: bfloat16, float16 or float32. Default: the checkpoint's for a target, bfloat16 for a drafter (M1/M2 GPUs run drafters in float32 activations; float16 drafters collapse)."),
+    draft: bool = typer.Option(
+        False, "--draft", help="The source is a DFlash / DFlash 2 drafter (detected from its config.json anyway)."
+    ),
+    dtype: Optional[str] = typer.Option(
+        None,
+        "--dtype",
+        help="Float type of what is not quantized: bfloat16, float16 or float32. Default: the checkpoint's for a target, bfloat16 for a drafter (M1/M2 GPUs run drafters in float32 activations; float16 drafters collapse).",
+    ),
 ) -> None:
     """Convert a Hugging Face checkpoint (target or drafter) to MLX, optionally quantized.
 
@@ -145,8 +162,14 @@ def convert_command(
             out.rmdir()
         info = convert_drafter(src, out, quantize, bits, q_group_size, dtype or "bfloat16")
         load_drafter(str(out))  # the output must load with the project's own loader
-        kind = (f"drafter, {info['quantized_modules']} linear layers {bits}-bit (group {q_group_size}), "
-                f"codebooks/convs/norms {dtype or 'bfloat16'}") if quantize else f"drafter, {dtype or 'bfloat16'}"
+        kind = (
+            (
+                f"drafter, {info['quantized_modules']} linear layers {bits}-bit (group {q_group_size}), "
+                f"codebooks/convs/norms {dtype or 'bfloat16'}"
+            )
+            if quantize
+            else f"drafter, {dtype or 'bfloat16'}"
+        )
         size = info["bytes"]
     else:
         from mlx_lm.convert import convert
@@ -157,8 +180,14 @@ def convert_command(
             out.rmdir()
         try:
             with contextlib.redirect_stdout(err):
-                convert(str(src), str(out), quantize=quantize, q_group_size=q_group_size if quantize else None,
-                        q_bits=bits if quantize else None, dtype=dtype)
+                convert(
+                    str(src),
+                    str(out),
+                    quantize=quantize,
+                    q_group_size=q_group_size if quantize else None,
+                    q_bits=bits if quantize else None,
+                    dtype=dtype,
+                )
         except (ValueError, KeyError) as e:
             raise LoadError(f"mlx-lm cannot convert {src}: {' '.join(str(e).split())[:200]}") from None
         load_target(str(out))

@@ -82,7 +82,14 @@ def _panel(rec: Recording, t: float, final: bool, height: int, width: int, conso
     done = final or t >= rec.end
     footer = f"{tokens} tokens · {tps:.1f} tok/s · {now:.2f} s"
     title = f"[bold]{rec.name}[/bold]" + (" [green]✓[/green]" if done else "")
-    return Panel(view, title=title, subtitle=footer, height=height + 2, width=width, border_style="cyan" if speculative else "magenta")
+    return Panel(
+        view,
+        title=title,
+        subtitle=footer,
+        height=height + 2,
+        width=width,
+        border_style="cyan" if speculative else "magenta",
+    )
 
 
 def _summary(spec: Recording, ar: Recording, identical: Optional[bool]):
@@ -94,8 +101,10 @@ def _summary(spec: Recording, ar: Recording, identical: Optional[bool]):
     speedup = s.decode_tps / a.decode_tps if a.decode_tps else None
     out = Text()
     out.append(f"speedup {speedup:.2f}x" if speedup else "speedup n/a", style="bold green")
-    out.append(f"  DFlash 2 {s.decode_tps:.1f} tok/s vs autoregressive {a.decode_tps:.1f} tok/s decode; "
-               f"whole run {fmt_seconds(spec.end)} vs {fmt_seconds(ar.end)}\n")
+    out.append(
+        f"  DFlash 2 {s.decode_tps:.1f} tok/s vs autoregressive {a.decode_tps:.1f} tok/s decode; "
+        f"whole run {fmt_seconds(spec.end)} vs {fmt_seconds(ar.end)}\n"
+    )
     out.append(f"acceptance length {s.acceptance_length:.2f}", style="bold")
     out.append(f" tokens per verify cycle ({s.verify_steps} cycles)")
     if identical is not None:
@@ -103,7 +112,10 @@ def _summary(spec: Recording, ar: Recording, identical: Optional[bool]):
         out.append("yes" if identical else "NO", style="green" if identical else "bold red")
     if s.controller:
         out.append("\nblock size: ", style="bold")
-        out.append(controller_line(s) + (f" · last switch {s.controller['last_switch']}" if s.controller.get("last_switch") else ""))
+        out.append(
+            controller_line(s)
+            + (f" · last switch {s.controller['last_switch']}" if s.controller.get("last_switch") else "")
+        )
     out.append("\nacceptance by draft position\n", style="bold")
     for i, rate in enumerate(s.acceptance_by_position):
         out.append(f"  {i + 1:>2} ")
@@ -121,7 +133,9 @@ def frame(spec: Recording, ar: Recording, t: float, final: bool, console, height
     grid = Table.grid(padding=(0, 1))
     grid.add_column(width=half)
     grid.add_column(width=half)
-    grid.add_row(_panel(spec, t, final, height, half, console, True), _panel(ar, t, final, height, half, console, False))
+    grid.add_row(
+        _panel(spec, t, final, height, half, console, True), _panel(ar, t, final, height, half, console, False)
+    )
     if not final:
         return grid
     return Group(grid, _summary(spec, ar, identical))
@@ -131,13 +145,22 @@ def demo_command(
     model: Optional[str] = model_option(),
     draft_model: Optional[str] = draft_option(),
     preset: Optional[str] = preset_option(),
-    prompt: Optional[str] = typer.Option(None, "--prompt", "-p", help="The prompt (through the chat template). Default: the embedded pair's demo prompt, or a built-in one."),
+    prompt: Optional[str] = typer.Option(
+        None,
+        "--prompt",
+        "-p",
+        help="The prompt (through the chat template). Default: the embedded pair's demo prompt, or a built-in one.",
+    ),
     ignore_chat_template: bool = typer.Option(False, "--ignore-chat-template", help="Feed --prompt as is."),
     max_tokens: int = typer.Option(256, "--max-tokens", help="Tokens to generate in each run."),
-    temp: float = typer.Option(0.0, "--temp", help="Sampling temperature; 0 is greedy (then the two outputs must be identical)."),
+    temp: float = typer.Option(
+        0.0, "--temp", help="Sampling temperature; 0 is greedy (then the two outputs must be identical)."
+    ),
     seed: Optional[int] = typer.Option(None, "--seed", help="Random seed (set before each run)."),
     block_size: str = block_size_option(),
-    replay_speed: float = typer.Option(1.0, "--replay-speed", help="Replay clock rate: 1 is the measured pace, 2 twice as fast."),
+    replay_speed: float = typer.Option(
+        1.0, "--replay-speed", help="Replay clock rate: 1 is the measured pace, 2 twice as fast."
+    ),
     height: int = typer.Option(16, "--height", help="Text lines shown in each panel."),
     export: Optional[Path] = typer.Option(None, "--export", help="Save the final frame as FILE.svg or FILE.html."),
 ) -> None:
@@ -180,13 +203,20 @@ def demo_command(
     if "messages" in line and not getattr(tokenizer, "chat_template", None):
         line = {"prompt": line["messages"][-1]["content"]}
     ids = encode_line(tokenizer, line)
-    settings = GenerationSettings(max_tokens=max_tokens, sampling=sampling, seed=seed, block_size=block_size,
-                                  stop_token_ids=sorted(tokenizer.eos_token_ids))
+    settings = GenerationSettings(
+        max_tokens=max_tokens,
+        sampling=sampling,
+        seed=seed,
+        block_size=block_size,
+        stop_token_ids=sorted(tokenizer.eos_token_ids),
+    )
     console = Console(highlight=False)
     shown = line["prompt"] if "prompt" in line else line["messages"][-1]["content"]
     console.print(f"[bold]prompt[/bold] ({len(ids)} tokens): ", end="")
     console.print(printable(shown if len(shown) <= 400 else shown[:400] + "…"), markup=False)
-    console.print(f"[dim]{choice.label}: warming up, then measuring DFlash 2 and autoregressive one after the other…[/dim]")
+    console.print(
+        f"[dim]{choice.label}: warming up, then measuring DFlash 2 and autoregressive one after the other…[/dim]"
+    )
     short = replace(settings, max_tokens=min(max_tokens, 16))
     record("warm-up", generate_speculative(target.runner, drafter, ids, short, tokenizer))
     record("warm-up", generate_autoregressive(target.runner, ids, short, tokenizer))
@@ -194,13 +224,16 @@ def demo_command(
     spec = record(f"{name} (speculative)", generate_speculative(target.runner, drafter, ids, settings, tokenizer))
     ar = record("Autoregressive", generate_autoregressive(target.runner, ids, settings, tokenizer))
     identical = (spec.tokens == ar.tokens) if sampling.greedy else None
-    console.print(f"[dim]measured: {name} {len(spec.tokens)} tokens in {fmt_seconds(spec.end)}, autoregressive "
-                  f"{len(ar.tokens)} tokens in {fmt_seconds(ar.end)}; replaying side by side at "
-                  f"{'the measured pace' if replay_speed == 1 else f'{replay_speed:g}x the measured pace'}[/dim]")
+    console.print(
+        f"[dim]measured: {name} {len(spec.tokens)} tokens in {fmt_seconds(spec.end)}, autoregressive "
+        f"{len(ar.tokens)} tokens in {fmt_seconds(ar.end)}; replaying side by side at "
+        f"{'the measured pace' if replay_speed == 1 else f'{replay_speed:g}x the measured pace'}[/dim]"
+    )
     end = max(spec.end, ar.end)
     start = time.perf_counter()
-    with Live(frame(spec, ar, 0.0, False, console, height), console=console, refresh_per_second=20,
-              auto_refresh=False) as live:
+    with Live(
+        frame(spec, ar, 0.0, False, console, height), console=console, refresh_per_second=20, auto_refresh=False
+    ) as live:
         try:
             while True:
                 t = (time.perf_counter() - start) * replay_speed
@@ -212,13 +245,19 @@ def demo_command(
             pass  # skip to the end
         live.update(frame(spec, ar, end, True, console, height, identical), refresh=True)
     if export is not None:
-        rec = Console(record=True, width=max(console.width, 100), file=io.StringIO(), force_terminal=True,
-                      color_system="truecolor")
+        rec = Console(
+            record=True,
+            width=max(console.width, 100),
+            file=io.StringIO(),
+            force_terminal=True,
+            color_system="truecolor",
+        )
         rec.print(frame(spec, ar, end, True, rec, height, identical))
         try:
             if export.suffix.lower() == ".svg":
-                export.write_text(spaces_kept(rec.export_svg(title=f"dflash2-mlx demo: {choice.label}")),
-                                  encoding="utf-8")
+                export.write_text(
+                    spaces_kept(rec.export_svg(title=f"dflash2-mlx demo: {choice.label}")), encoding="utf-8"
+                )
             else:
                 rec.save_html(str(export))
         except OSError as e:

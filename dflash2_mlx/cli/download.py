@@ -21,9 +21,15 @@ def _size(path: Path) -> int:
 
 
 def download_command(
-    repo: Optional[str] = typer.Argument(None, metavar="REPO", help="Hugging Face repo id (org/name) of a target or a drafter."),
-    draft: bool = typer.Option(False, "--draft", help="The repo is a DFlash / DFlash 2 drafter (checked after download)."),
-    preset: Optional[str] = typer.Option(None, "--preset", help="Download both repos of a preset (e.g. qwen3.8-27b) instead of REPO."),
+    repo: Optional[str] = typer.Argument(
+        None, metavar="REPO", help="Hugging Face repo id (org/name) of a target or a drafter."
+    ),
+    draft: bool = typer.Option(
+        False, "--draft", help="The repo is a DFlash / DFlash 2 drafter (checked after download)."
+    ),
+    preset: Optional[str] = typer.Option(
+        None, "--preset", help="Download both repos of a preset (e.g. qwen3.8-27b) instead of REPO."
+    ),
 ) -> None:
     """Download a model repo (or a preset's target and drafter) with progress bars.
 
@@ -70,7 +76,9 @@ def download_command(
             fail(f"{repo_id}: config.json is unreadable in {path}; delete it from the cache and download again")
         drafter = is_drafter_config(config)
         if is_draft and not drafter:
-            fail(f"{repo_id} is not a DFlash drafter (architectures {config.get('architectures')}); drop --draft for a target")
+            fail(
+                f"{repo_id} is not a DFlash drafter (architectures {config.get('architectures')}); drop --draft for a target"
+            )
         if drafter:
             try:
                 DrafterConfig.from_dict(config)

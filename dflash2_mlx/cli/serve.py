@@ -16,24 +16,70 @@ from dflash2_mlx.cli.common import block_size_option, prompt_cache_option
 
 
 def serve_command(
-    model: Optional[str] = typer.Option(None, "--model", "-m", help="Target model: local directory or Hugging Face repo id. Default: the embedded tiny demo pair, when installed."),
-    draft_model: Optional[str] = typer.Option(None, "--draft-model", "-d", help="DFlash / DFlash 2 drafter for the target: directory or repo id."),
-    host: str = typer.Option("127.0.0.1", "--host", help="Address to listen on (loopback by default; 0.0.0.0 exposes the server to the network)."),
+    model: Optional[str] = typer.Option(
+        None,
+        "--model",
+        "-m",
+        help="Target model: local directory or Hugging Face repo id. Default: the embedded tiny demo pair, when installed.",
+    ),
+    draft_model: Optional[str] = typer.Option(
+        None, "--draft-model", "-d", help="DFlash / DFlash 2 drafter for the target: directory or repo id."
+    ),
+    host: str = typer.Option(
+        "127.0.0.1",
+        "--host",
+        help="Address to listen on (loopback by default; 0.0.0.0 exposes the server to the network).",
+    ),
     port: int = typer.Option(8080, "--port", help="TCP port (0: any free port)."),
-    api_key: Optional[str] = typer.Option(None, "--api-key", envvar="DFLASH2_API_KEY", help="Require this key: 'Authorization: Bearer KEY' (OpenAI routes) or 'x-api-key: KEY' (/v1/messages; /v1/models takes either)."),
-    allowed_origins: List[str] = typer.Option([], "--allowed-origins", help="Enable CORS for these browser origins (repeatable or comma-separated; '*' for any). Off by default."),
-    max_queue: int = typer.Option(64, "--max-queue", help="Requests that may wait for the generation worker; more get 429 with Retry-After."),
-    max_concurrent: int = typer.Option(4, "--max-concurrent", help="Requests that decode at once, taking turns cycle by cycle; more wait in the queue."),
-    batch_verify: str = typer.Option("auto", "--batch-verify", help="Run the active requests' verify passes as one batched target call: on, off, or auto (measured while serving: whichever is faster). Outputs are the same either way."),
-    max_context: Optional[int] = typer.Option(None, "--max-context", help="Refuse prompts of this many tokens or more (default: the model's context)."),
-    served_model_name: List[str] = typer.Option([], "--served-model-name", help="Extra model name(s) clients may use (repeatable); listed by /v1/models."),
+    api_key: Optional[str] = typer.Option(
+        None,
+        "--api-key",
+        envvar="DFLASH2_API_KEY",
+        help="Require this key: 'Authorization: Bearer KEY' (OpenAI routes) or 'x-api-key: KEY' (/v1/messages; /v1/models takes either).",
+    ),
+    allowed_origins: List[str] = typer.Option(
+        [],
+        "--allowed-origins",
+        help="Enable CORS for these browser origins (repeatable or comma-separated; '*' for any). Off by default.",
+    ),
+    max_queue: int = typer.Option(
+        64, "--max-queue", help="Requests that may wait for the generation worker; more get 429 with Retry-After."
+    ),
+    max_concurrent: int = typer.Option(
+        4, "--max-concurrent", help="Requests that decode at once, taking turns cycle by cycle; more wait in the queue."
+    ),
+    batch_verify: str = typer.Option(
+        "auto",
+        "--batch-verify",
+        help="Run the active requests' verify passes as one batched target call: on, off, or auto (measured while serving: whichever is faster). Outputs are the same either way.",
+    ),
+    max_context: Optional[int] = typer.Option(
+        None, "--max-context", help="Refuse prompts of this many tokens or more (default: the model's context)."
+    ),
+    served_model_name: List[str] = typer.Option(
+        [], "--served-model-name", help="Extra model name(s) clients may use (repeatable); listed by /v1/models."
+    ),
     no_draft: bool = typer.Option(False, "--no-draft", help="Serve with plain autoregressive decoding (no drafter)."),
     block_size: str = block_size_option(),
-    prefix_cache_gb: float = typer.Option(2.0, "--prefix-cache-gb", help="Memory for prompt-prefix cache snapshots, in GB (0 disables)."),
+    prefix_cache_gb: float = typer.Option(
+        2.0, "--prefix-cache-gb", help="Memory for prompt-prefix cache snapshots, in GB (0 disables)."
+    ),
     prompt_cache_dir: Optional[str] = prompt_cache_option(),
-    prompt_cache_gb: float = typer.Option(8.0, "--prompt-cache-gb", help="Disk budget of the prompt cache directory, in GB; least recently used snapshots go first."),
-    request_timeout: float = typer.Option(600.0, "--request-timeout", help="Seconds a request may take, queue wait included; a generation still running is cut short (finish_reason 'length')."),
-    default_max_tokens: Optional[int] = typer.Option(None, "--default-max-tokens", help="max_tokens for requests that give none. Default: the model's generation_config.json max_new_tokens, else 4096."),
+    prompt_cache_gb: float = typer.Option(
+        8.0,
+        "--prompt-cache-gb",
+        help="Disk budget of the prompt cache directory, in GB; least recently used snapshots go first.",
+    ),
+    request_timeout: float = typer.Option(
+        600.0,
+        "--request-timeout",
+        help="Seconds a request may take, queue wait included; a generation still running is cut short (finish_reason 'length').",
+    ),
+    default_max_tokens: Optional[int] = typer.Option(
+        None,
+        "--default-max-tokens",
+        help="max_tokens for requests that give none. Default: the model's generation_config.json max_new_tokens, else 4096.",
+    ),
     log_level: str = typer.Option("info", "--log-level", help="critical, error, warning, info or debug."),
 ) -> None:
     """Serve the model over HTTP: OpenAI (/v1/chat/completions, /v1/completions, /v1/responses,
@@ -46,9 +92,12 @@ def serve_command(
         warn_if_reference_blas,
     )
 
-    for name, value, low in (("--max-queue", max_queue, 1), ("--max-concurrent", max_concurrent, 1),
-                             ("--default-max-tokens", default_max_tokens, 1),
-                             ("--max-context", max_context, 2)):
+    for name, value, low in (
+        ("--max-queue", max_queue, 1),
+        ("--max-concurrent", max_concurrent, 1),
+        ("--default-max-tokens", default_max_tokens, 1),
+        ("--max-context", max_context, 2),
+    ):
         if value is not None and value < low:
             fail(f"{name} must be at least {low}, got {value}")
     if batch_verify not in ("auto", "on", "off"):
@@ -90,32 +139,58 @@ def serve_command(
     except ImportError as e:
         fail(f"`serve` needs FastAPI and uvicorn ({e}); install them with `pip install fastapi uvicorn`")
 
-    logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-                        stream=sys.stderr)
+    logging.basicConfig(
+        level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr
+    )
     sock = _bind(host, port, fail)
     bound_port = sock.getsockname()[1]
     config = ServerConfig(
-        model=choice.target, draft_model=choice.drafter, api_key=api_key, allowed_origins=origins,
-        max_queue=max_queue, max_concurrent=max_concurrent, batch_verify=batch_verify, max_context=max_context,
+        model=choice.target,
+        draft_model=choice.drafter,
+        api_key=api_key,
+        allowed_origins=origins,
+        max_queue=max_queue,
+        max_concurrent=max_concurrent,
+        batch_verify=batch_verify,
+        max_context=max_context,
         served_model_names=served_model_name,
-        prefix_cache_gb=prefix_cache_gb, prompt_cache_dir=cache_dir, prompt_cache_gb=prompt_cache_gb,
-        request_timeout=request_timeout, default_max_tokens=default_max_tokens,
+        prefix_cache_gb=prefix_cache_gb,
+        prompt_cache_dir=cache_dir,
+        prompt_cache_gb=prompt_cache_gb,
+        request_timeout=request_timeout,
+        default_max_tokens=default_max_tokens,
         model_name=model_name_for(choice.target),
     )
-    worker = Worker(config.model, config.draft_model, max_queue=max_queue, max_concurrent=max_concurrent,
-                    batch_verify=batch_verify, max_context=max_context, prefix_cache_bytes=int(prefix_cache_gb * 2**30),
-                    prompt_cache_dir=cache_dir, prompt_cache_bytes=int(prompt_cache_gb * 2**30), block_size=pinned)
+    worker = Worker(
+        config.model,
+        config.draft_model,
+        max_queue=max_queue,
+        max_concurrent=max_concurrent,
+        batch_verify=batch_verify,
+        max_context=max_context,
+        prefix_cache_bytes=int(prefix_cache_gb * 2**30),
+        prompt_cache_dir=cache_dir,
+        prompt_cache_bytes=int(prompt_cache_gb * 2**30),
+        block_size=pinned,
+    )
     app = create_app(config, worker)
-    server = _Server(uvicorn.Config(app, log_level=log_level.lower(), timeout_graceful_shutdown=15,
-                                    timeout_keep_alive=30, lifespan="on"), worker)
+    server = _Server(
+        uvicorn.Config(
+            app, log_level=log_level.lower(), timeout_graceful_shutdown=15, timeout_keep_alive=30, lifespan="on"
+        ),
+        worker,
+    )
 
     def fatal(message: str) -> None:
         server.should_exit = True
 
     worker.on_fatal = fatal
     shown = f"[{host}]" if ":" in host else host
-    typer.echo(f"dflash2-mlx: serving {config.model_name} ({'no drafter' if choice.drafter is None else 'speculative'}) "
-               f"at http://{shown}:{bound_port}/v1 (loading the model; /health answers 200 when ready)", err=True)
+    typer.echo(
+        f"dflash2-mlx: serving {config.model_name} ({'no drafter' if choice.drafter is None else 'speculative'}) "
+        f"at http://{shown}:{bound_port}/v1 (loading the model; /health answers 200 when ready)",
+        err=True,
+    )
     server.run(sockets=[sock])
     if worker.error:
         from dflash2_mlx.models.loading import LoadError

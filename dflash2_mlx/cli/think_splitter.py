@@ -37,7 +37,7 @@ class ThinkSplitter:
                 break
             if i:
                 out.append((self.in_think, self.buffer[:i]))
-            self.buffer = self.buffer[i + len(tag):]
+            self.buffer = self.buffer[i + len(tag) :]
             self.in_think = not self.in_think
             out.append((self.in_think, ""))
         hold = 0
@@ -48,7 +48,7 @@ class ThinkSplitter:
                     hold = n
                     break
         emit = self.buffer[: len(self.buffer) - hold]
-        self.buffer = self.buffer[len(emit):]
+        self.buffer = self.buffer[len(emit) :]
         if emit:
             out.append((self.in_think, emit))
         return out

@@ -40,8 +40,9 @@ class TurnPrinter:
 
     def _write(self, text: str, style: Optional[str] = None) -> None:
         if text:
-            self.console.print(printable(text), style=style, end="", markup=False, highlight=False,
-                               emoji=False, soft_wrap=True)
+            self.console.print(
+                printable(text), style=style, end="", markup=False, highlight=False, emoji=False, soft_wrap=True
+            )
             self.last_char = text[-1]
 
     def _think(self, piece: str) -> None:
@@ -81,8 +82,12 @@ class TurnPrinter:
             if self.last_char != "\n":
                 self._write("\n")
         elif n:
-            self.console.print(f"▸ thought for {fmt_seconds(self.think_seconds)} ({n} characters; /think shows it)",
-                               style="dim", highlight=False, markup=False)
+            self.console.print(
+                f"▸ thought for {fmt_seconds(self.think_seconds)} ({n} characters; /think shows it)",
+                style="dim",
+                highlight=False,
+                markup=False,
+            )
 
     def _answer(self, piece: str) -> None:
         self._close_think()

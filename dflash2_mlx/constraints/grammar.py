@@ -38,7 +38,7 @@ import numpy as np
 JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 # Between a closed reasoning block and the answer (Qwen writes "</think>\n\n").
 LEAD = "LEAD: /[ \\t\\r\\n]{1,8}/\n"
-_UNIMPLEMENTED = re.compile(r'Unimplemented keys: \[(.*?)\]')
+_UNIMPLEMENTED = re.compile(r"Unimplemented keys: \[(.*?)\]")
 # Walking the drafter's candidates under the grammar puts a host step between the draft and its
 # verify pass; it pays only when a refused draft often is what ends the accepted run. The share of
 # cycles where the selector's own path held a refused token no later than the accepted length is
@@ -84,8 +84,10 @@ def check_rules(rules: str) -> None:
     m = _UNIMPLEMENTED.search(error)
     if m:
         keys = [k.strip().strip('"') for k in m.group(1).split(",") if k.strip()]
-        raise GrammarError(f"the schema uses {', '.join(repr(k) for k in keys)}, which constrained decoding "
-                           "cannot enforce; remove it", keys[0] if keys else None)
+        raise GrammarError(
+            f"the schema uses {', '.join(repr(k) for k in keys)}, which constrained decoding cannot enforce; remove it",
+            keys[0] if keys else None,
+        )
     detail = next((line for line in error.splitlines() if "failed" in line or "rror" in line), error.splitlines()[0])
     raise GrammarError(f"the schema cannot be enforced: {detail.strip()[:300]}")
 
@@ -186,8 +188,14 @@ class Grammar:
             raise GrammarError(f"the grammar cannot be enforced: {probe.get_error()[:300]}")
 
     @classmethod
-    def json_schema(cls, schema: dict, tokenizer, stop_token_ids: Sequence[int] = (), strict: bool = False,
-                    reasoning_end: Sequence[int] = ()) -> "Grammar":
+    def json_schema(
+        cls,
+        schema: dict,
+        tokenizer,
+        stop_token_ids: Sequence[int] = (),
+        strict: bool = False,
+        reasoning_end: Sequence[int] = (),
+    ) -> "Grammar":
         return cls(json_schema_rules(schema, strict), tokenizer, stop_token_ids, reasoning_end)
 
     @classmethod
@@ -304,7 +312,7 @@ class GrammarState:
             self._fill(first)
         last = first + len(taken)
         self._allow_stops_where_empty(first, last + 1)
-        self._bits[last + 1: rows] = -1
+        self._bits[last + 1 : rows] = -1
         return self._apply(logits, rows)
 
     def greedy_path(self, candidates, pairs, unmasked: Optional[Sequence[int]] = None) -> list[int]:
@@ -375,8 +383,9 @@ class GrammarState:
         masks keep the output exact, masking the drafts only raises acceptance."""
         candidates = np.asarray(candidates)
         pairs = np.asarray(pairs.astype(mx.float32) if isinstance(pairs, mx.array) else pairs, dtype=np.float32)
-        uniforms = np.asarray(uniforms.astype(mx.float32) if isinstance(uniforms, mx.array) else uniforms,
-                              dtype=np.float32).reshape(-1)
+        uniforms = np.asarray(
+            uniforms.astype(mx.float32) if isinstance(uniforms, mx.array) else uniforms, dtype=np.float32
+        ).reshape(-1)
         temperature = np.float32(temperature.item() if isinstance(temperature, mx.array) else temperature)
         rows, k = candidates.shape
         self._ensure_rows(rows)
@@ -437,7 +446,7 @@ class GrammarState:
         for t in tokens:
             t = int(t)
             if self._reasoning:
-                self._tail = (self._tail + [t])[-len(self._end):]
+                self._tail = (self._tail + [t])[-len(self._end) :]
                 self._reasoning = not self._closes_reasoning(self._tail)
                 continue
             if t in self._stops:

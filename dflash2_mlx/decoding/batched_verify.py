@@ -88,8 +88,9 @@ def verify_batch(runner: TargetRunner, requests: Sequence[VerifyRequest]) -> lis
     sizes = [r.size for r in requests]
     width = max(sizes)
     # right-padded blocks [N, S]; the padding token is arbitrary (its rows are never read)
-    tokens = mx.concatenate([r.tokens if r.size == width else mx.pad(r.tokens, [(0, 0), (0, width - r.size)])
-                             for r in requests]).astype(mx.int32)
+    tokens = mx.concatenate(
+        [r.tokens if r.size == width else mx.pad(r.tokens, [(0, 0), (0, width - r.size)]) for r in requests]
+    ).astype(mx.int32)
     batch = _BatchCache([r.cache for r in requests], sizes)
     # Gated DeltaNet layers always record here: each sequence's own state is cut out of them
     recorded = [] if "gdn" in batch.kinds else None
@@ -98,11 +99,13 @@ def verify_batch(runner: TargetRunner, requests: Sequence[VerifyRequest]) -> lis
     for i, (request, size) in enumerate(zip(requests, sizes)):
         own = _own_recurrent_inputs(batch, recorded, i, size) if recorded is not None else None
         request.cache.advance(size)
-        results.append(VerifyResult(
-            logits[i : i + 1, :size],
-            features[i : i + 1, :size] if features is not None else None,
-            own if request.record else None,
-        ))
+        results.append(
+            VerifyResult(
+                logits[i : i + 1, :size],
+                features[i : i + 1, :size] if features is not None else None,
+                own if request.record else None,
+            )
+        )
     return results
 
 
@@ -238,8 +241,7 @@ class _BatchCache:
         self.kinds = caches[0].kinds
         self.before = [[c[i][1] for c in caches] for i, kind in enumerate(self.kinds) if kind == "gdn"]
         self.layers = [
-            RaggedKV([c[i] for c in caches], sizes) if kind == "attention"
-            else _stacked([c[i] for c in caches])
+            RaggedKV([c[i] for c in caches], sizes) if kind == "attention" else _stacked([c[i] for c in caches])
             for i, kind in enumerate(self.kinds)
         ]
         self.sequences = caches
@@ -265,7 +267,9 @@ def _stacked(caches: list[ArraysCache]) -> ArraysCache:
     return stacked
 
 
-def _own_recurrent_inputs(batch: _BatchCache, recorded: list[RecurrentInputs], i: int, size: int) -> list[RecurrentInputs]:
+def _own_recurrent_inputs(
+    batch: _BatchCache, recorded: list[RecurrentInputs], i: int, size: int
+) -> list[RecurrentInputs]:
     """Sequence i's slice of every Gated DeltaNet layer's recorded inputs; sets its cache's conv
     window and state to those after its own ``size`` rows, as its own pass would."""
     own = []
@@ -275,9 +279,14 @@ def _own_recurrent_inputs(batch: _BatchCache, recorded: list[RecurrentInputs], i
         state = before[i]
         mine = RecurrentInputs(
             rec.conv_input[i : i + 1, : window + size],
-            rec.q[i : i + 1, :size], rec.k[i : i + 1, :size], rec.v[i : i + 1, :size],
-            rec.a[i : i + 1, :size], rec.b[i : i + 1, :size],
-            state, rec.A_log, rec.dt_bias,
+            rec.q[i : i + 1, :size],
+            rec.k[i : i + 1, :size],
+            rec.v[i : i + 1, :size],
+            rec.a[i : i + 1, :size],
+            rec.b[i : i + 1, :size],
+            state,
+            rec.A_log,
+            rec.dt_bias,
             rec.states[i : i + 1, :size] if rec.states is not None else None,
         )
         cache = batch.sequences[i][j]

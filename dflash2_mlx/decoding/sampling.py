@@ -67,9 +67,7 @@ def sample(probs: mx.array) -> mx.array:
     return mx.random.categorical(mx.log(probs))
 
 
-def apply_processors(
-    processors: Sequence[LogitsProcessor], history: mx.array, logits: mx.array
-) -> mx.array:
+def apply_processors(processors: Sequence[LogitsProcessor], history: mx.array, logits: mx.array) -> mx.array:
     """Process verify rows as plain decoding would have: row i sees history + its first i drafts.
 
     history: [n + R] committed tokens followed by the R drafted tokens; logits: [R + 1, V].

@@ -32,15 +32,61 @@ from dflash2_mlx.backend.files import JsonlError, read_jsonl
 # Written for this project: short instructions whose answers mix prose, code, lists and arithmetic,
 # the kinds of text acceptance differs on. Chat-template lines, for instruction-tuned targets.
 BUILTIN_PROMPTS: list[dict] = [
-    {"messages": [{"role": "user", "content": "Write a Python function that returns the n-th Fibonacci number iteratively, with a docstring and two doctests."}]},
-    {"messages": [{"role": "user", "content": "Explain in three short paragraphs why the sky is blue, for a curious twelve-year-old."}]},
-    {"messages": [{"role": "user", "content": "A train leaves at 09:40 and arrives at 13:05. How long is the trip? Show the steps."}]},
+    {
+        "messages": [
+            {
+                "role": "user",
+                "content": "Write a Python function that returns the n-th Fibonacci number iteratively, with a docstring and two doctests.",
+            }
+        ]
+    },
+    {
+        "messages": [
+            {
+                "role": "user",
+                "content": "Explain in three short paragraphs why the sky is blue, for a curious twelve-year-old.",
+            }
+        ]
+    },
+    {
+        "messages": [
+            {
+                "role": "user",
+                "content": "A train leaves at 09:40 and arrives at 13:05. How long is the trip? Show the steps.",
+            }
+        ]
+    },
     {"messages": [{"role": "user", "content": "List ten everyday uses of a paperclip, one per line, numbered."}]},
-    {"messages": [{"role": "user", "content": "Translate into French: 'The library opens at nine, but the reading room stays closed until noon on Mondays.'"}]},
-    {"messages": [{"role": "user", "content": "Write a SQL query that returns the five customers with the highest total order value in 2024 from tables customers(id, name) and orders(id, customer_id, total, created_at)."}]},
-    {"messages": [{"role": "system", "content": "You are a concise assistant."},
-                  {"role": "user", "content": "Summarise the rules of tic-tac-toe in at most five bullet points."}]},
-    {"messages": [{"role": "user", "content": "Write a short story of about 150 words about a lighthouse keeper who finds a message in a bottle."}]},
+    {
+        "messages": [
+            {
+                "role": "user",
+                "content": "Translate into French: 'The library opens at nine, but the reading room stays closed until noon on Mondays.'",
+            }
+        ]
+    },
+    {
+        "messages": [
+            {
+                "role": "user",
+                "content": "Write a SQL query that returns the five customers with the highest total order value in 2024 from tables customers(id, name) and orders(id, customer_id, total, created_at).",
+            }
+        ]
+    },
+    {
+        "messages": [
+            {"role": "system", "content": "You are a concise assistant."},
+            {"role": "user", "content": "Summarise the rules of tic-tac-toe in at most five bullet points."},
+        ]
+    },
+    {
+        "messages": [
+            {
+                "role": "user",
+                "content": "Write a short story of about 150 words about a lighthouse keeper who finds a message in a bottle.",
+            }
+        ]
+    },
 ]
 
 
@@ -68,8 +114,13 @@ def validate_line(item, where: str) -> dict:
             raise PromptFileError(f'{where}: "prompt" must be a non-empty string')
     else:
         msgs = item["messages"]
-        if not isinstance(msgs, list) or not msgs or not all(
-            isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str) for m in msgs
+        if (
+            not isinstance(msgs, list)
+            or not msgs
+            or not all(
+                isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
+                for m in msgs
+            )
         ):
             raise PromptFileError(f'{where}: "messages" must be a non-empty list of {{"role", "content"}} objects')
     return item
@@ -163,7 +214,8 @@ def run_bench(
         }
         if greedy and not result["identical"]:
             detail["first_difference"] = next(
-                (k for k, (x, y) in enumerate(zip(s.tokens, a.tokens)) if x != y), min(len(s.tokens), len(a.tokens)))
+                (k for k, (x, y) in enumerate(zip(s.tokens, a.tokens)) if x != y), min(len(s.tokens), len(a.tokens))
+            )
         results.append(result)
         details.append(detail)
         if on_prompt is not None:

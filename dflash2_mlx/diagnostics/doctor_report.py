@@ -134,9 +134,12 @@ def kernels_section(dtypes: Sequence[mx.Dtype]) -> dict:
 def rollback_section(runner) -> dict:
     from dflash2_mlx.caches.target import rollback_setting
 
-    return {"setting": rollback_setting(), "path": runner.rollback_path(),
-            "rule": "keep: the verify pass keeps each step's Gated DeltaNet state; replay: rollback "
-                    "replays the recurrence from the pass's recorded inputs; trim: attention only"}
+    return {
+        "setting": rollback_setting(),
+        "path": runner.rollback_path(),
+        "rule": "keep: the verify pass keeps each step's Gated DeltaNet state; replay: rollback "
+        "replays the recurrence from the pass's recorded inputs; trim: attention only",
+    }
 
 
 # ---------------------------------------------------------------------------------------------
@@ -177,7 +180,9 @@ def rounding_bound(runner, probes: Sequence[tuple[list[int], list[int]]], rows: 
     return {"max_logit_difference": worst, "bound": 2 * worst, "rows": rows, "probes": len(probes)}
 
 
-def divergence(runner, prompt: Sequence[int], plain: Sequence[int], spec: Sequence[int], bound: float) -> Optional[dict]:
+def divergence(
+    runner, prompt: Sequence[int], plain: Sequence[int], spec: Sequence[int], bound: float
+) -> Optional[dict]:
     """None when ``spec`` is ``plain``; else where they part, the target's top-2 logit gap there
     and whether it is within ``bound`` (a longer or shorter output is never within it)."""
     if list(spec) == list(plain):
@@ -190,7 +195,7 @@ def divergence(runner, prompt: Sequence[int], plain: Sequence[int], spec: Sequen
 
 
 def verdict_of(divergences: Sequence[dict]) -> str:
-    """"pass" when every divergence is a near-tie within the rounding bound."""
+    """ "pass" when every divergence is a near-tie within the rounding bound."""
     return "pass" if all(d["within_bound"] for d in divergences) else "fail"
 
 
@@ -203,13 +208,21 @@ def lossless_section(target, drafter, prompts: Sequence[list[int]], options: Rep
         spec, stats = _tokens(generate_speculative(runner, drafter, ids, settings))
         outputs.append((ids, plain, spec, stats))
     step = max(1, options.tokens // max(1, options.probes))
-    probes = [(ids + plain[:p], plain[p:]) for ids, plain, _, _ in outputs[:2]
-              for p in range(0, max(1, len(plain) - drafter.config.block_size), step)][: options.probes]
+    probes = [
+        (ids + plain[:p], plain[p:])
+        for ids, plain, _, _ in outputs[:2]
+        for p in range(0, max(1, len(plain) - drafter.config.block_size), step)
+    ][: options.probes]
     bound = rounding_bound(runner, probes, drafter.config.block_size)
     results, divergences = [], []
     for n, (ids, plain, spec, stats) in enumerate(outputs):
-        entry = {"prompt": n, "prompt_tokens": len(ids), "tokens": len(plain), "identical": spec == plain,
-                 "acceptance_length": round(stats.acceptance_length, 3)}
+        entry = {
+            "prompt": n,
+            "prompt_tokens": len(ids),
+            "tokens": len(plain),
+            "identical": spec == plain,
+            "acceptance_length": round(stats.acceptance_length, 3),
+        }
         found = divergence(runner, ids, plain, spec, bound["bound"])
         if found is not None:
             entry.update(found)
@@ -227,8 +240,8 @@ def lossless_section(target, drafter, prompts: Sequence[list[int]], options: Rep
         "per_prompt": results,
         "verdict": verdict,
         "rule": "a divergence passes only where the target's top-2 logit gap at that position is "
-                "within the rounding bound (CPU float32: float32 rounding, about 1e-5, so output is identical "
-                "but for an exact tie)",
+        "within the rounding bound (CPU float32: float32 rounding, about 1e-5, so output is identical "
+        "but for an exact tie)",
     }
 
 
@@ -238,15 +251,25 @@ def lossless_section(target, drafter, prompts: Sequence[list[int]], options: Rep
 
 def _run(runner, drafter, ids, tokens: int, block: Optional[int], plain: bool) -> dict:
     settings = GenerationSettings(max_tokens=tokens, block_size=block)
-    events = generate_autoregressive(runner, ids, settings) if plain else generate_speculative(runner, drafter, ids, settings)
+    events = (
+        generate_autoregressive(runner, ids, settings)
+        if plain
+        else generate_speculative(runner, drafter, ids, settings)
+    )
     out, stats = _tokens(events)
-    return {"generated": len(out), "decode_tps": stats.decode_tps,
-            "acceptance_length": round(stats.acceptance_length, 3) if not plain else 1.0}
+    return {
+        "generated": len(out),
+        "decode_tps": stats.decode_tps,
+        "acceptance_length": round(stats.acceptance_length, 3) if not plain else 1.0,
+    }
 
 
 def _median_run(samples: list[dict]) -> dict:
-    return {**samples[0], "decode_tps": round(statistics.median(s["decode_tps"] for s in samples), 2),
-            "decode_tps_samples": [round(s["decode_tps"], 2) for s in samples]}
+    return {
+        **samples[0],
+        "decode_tps": round(statistics.median(s["decode_tps"] for s in samples), 2),
+        "decode_tps_samples": [round(s["decode_tps"], 2) for s in samples],
+    }
 
 
 def speed_section(target, drafter, prompt: list[int], options: ReportOptions) -> dict:
@@ -266,7 +289,7 @@ def speed_section(target, drafter, prompt: list[int], options: ReportOptions) ->
         tokens = min(n, limit)
         samples: dict = {name: [] for name in modes}
         for r in range(options.repeats):
-            for name in (list(modes) if r % 2 == 0 else reversed(list(modes))):
+            for name in list(modes) if r % 2 == 0 else reversed(list(modes)):
                 samples[name].append(_run(runner, drafter, prompt, tokens, *modes[name]))
         entry = {"requested_tokens": n, "generated_tokens": tokens, "capped_by_context": tokens < n}
         entry.update({name: _median_run(s) for name, s in samples.items()})
@@ -274,10 +297,13 @@ def speed_section(target, drafter, prompt: list[int], options: ReportOptions) ->
         entry["speedup_block"] = round(entry[f"block_{fixed}"]["decode_tps"] / base, 3) if base else None
         entry["speedup_auto"] = round(entry["auto"]["decode_tps"] / base, 3) if base else None
         runs.append(entry)
-    return {"fixed_block": fixed, "repeats": options.repeats,
-            "auto": "the engine's default block setting (--block-size not given); a block-size "
-                    "controller, when the engine has one, is what this measures",
-            "runs": runs}
+    return {
+        "fixed_block": fixed,
+        "repeats": options.repeats,
+        "auto": "the engine's default block setting (--block-size not given); a block-size "
+        "controller, when the engine has one, is what this measures",
+        "runs": runs,
+    }
 
 
 def memory_section(target, drafter) -> dict:
@@ -298,9 +324,14 @@ def memory_section(target, drafter) -> dict:
     }
 
 
-def build_report(target, drafter, prompts: Sequence[list[int]], label: str,
-                 options: Optional[ReportOptions] = None,
-                 progress: Callable[[str], None] = lambda _: None) -> dict:
+def build_report(
+    target,
+    drafter,
+    prompts: Sequence[list[int]],
+    label: str,
+    options: Optional[ReportOptions] = None,
+    progress: Callable[[str], None] = lambda _: None,
+) -> dict:
     """The whole report for a loaded pair over ``prompts`` (token ids; at least one)."""
     options = options or ReportOptions()
     mx.reset_peak_memory()

@@ -197,8 +197,7 @@ def select_sampled(
     """Sampled path plus each row's proposal distribution q over its k candidates."""
     return _dispatch(
         "select_sampled",
-        (anchor, candidates, unary, hidden, predecessor_codebook, successor_codebook,
-         uniforms, temperature),
+        (anchor, candidates, unary, hidden, predecessor_codebook, successor_codebook, uniforms, temperature),
     )
 
 

@@ -56,8 +56,14 @@ KERNEL_SPECS: dict[str, KernelSpec] = {
         name="dflash2_pair_sampled",
         filename="pair_scores.metal",
         input_names=(
-            "anchor", "candidates", "unary", "hidden", "pred_cb", "succ_cb",
-            "uniforms", "temperature",
+            "anchor",
+            "candidates",
+            "unary",
+            "hidden",
+            "pred_cb",
+            "succ_cb",
+            "uniforms",
+            "temperature",
         ),
         output_names=("path", "q", "scores"),
         header="#define DFLASH2_PAIR_SAMPLED 1\n",
@@ -83,7 +89,6 @@ class Plan:
     @property
     def spec(self) -> KernelSpec:
         return KERNEL_SPECS[self.kernel]
-
 
 
 # The float dtypes a kernel accepts (and is self-checked in); other inputs are cast to float32.
@@ -148,13 +153,9 @@ def _pair_inputs(anchor, candidates, unary, hidden, pred_cb, succ_cb):
     return inputs, (n, rows, k), threads
 
 
-def plan_select_greedy(
-    anchor, candidates, unary, hidden, predecessor_codebook, successor_codebook
-) -> Plan | None:
+def plan_select_greedy(anchor, candidates, unary, hidden, predecessor_codebook, successor_codebook) -> Plan | None:
     """Launch plan of the fused greedy pair-score walk, or None (reference ops)."""
-    prepared = _pair_inputs(
-        anchor, candidates, unary, hidden, predecessor_codebook, successor_codebook
-    )
+    prepared = _pair_inputs(anchor, candidates, unary, hidden, predecessor_codebook, successor_codebook)
     if prepared is None:
         return None
     inputs, (n, rows, k), threads = prepared
@@ -177,13 +178,17 @@ def plan_select_greedy(
 
 
 def plan_select_sampled(
-    anchor, candidates, unary, hidden, predecessor_codebook, successor_codebook,
-    uniforms, temperature,
+    anchor,
+    candidates,
+    unary,
+    hidden,
+    predecessor_codebook,
+    successor_codebook,
+    uniforms,
+    temperature,
 ) -> Plan | None:
     """Launch plan of the fused sampled pair-score walk, or None (reference ops)."""
-    prepared = _pair_inputs(
-        anchor, candidates, unary, hidden, predecessor_codebook, successor_codebook
-    )
+    prepared = _pair_inputs(anchor, candidates, unary, hidden, predecessor_codebook, successor_codebook)
     if prepared is None:
         return None
     inputs, (n, rows, k), threads = prepared

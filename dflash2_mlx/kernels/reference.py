@@ -141,4 +141,3 @@ REFERENCES: dict[str, Callable] = {
     "select_greedy": reference_select_greedy,
     "select_sampled": reference_select_sampled,
 }
-

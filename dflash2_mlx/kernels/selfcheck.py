@@ -51,14 +51,19 @@ def check_args(name: str, dtype: mx.Dtype) -> tuple:
 
     if name == "two_tap_conv":
         groups = w["hidden"] // w["group"]
-        return (normal((1, w["rows"], w["hidden"])), normal((1, w["rows"], 2, groups), 0.5),
-                normal((2, w["hidden"])))
+        return (normal((1, w["rows"], w["hidden"])), normal((1, w["rows"], 2, groups), 0.5), normal((2, w["hidden"])))
     rows, k, rank, vocab = w["rows"] - 1, w["k"], w["rank"], w["vocab"]
     anchor = mx.array(rng.integers(0, vocab, size=(1,)).astype(np.int32))
     cand = mx.array(np.stack([rng.permutation(vocab)[:k] for _ in range(rows)])[None].astype(np.int32))
     # scores of order one (a sum of 256 triple products of these has a std of about 0.5)
-    args = [anchor, cand, normal((1, rows, k)), normal((1, rows, rank), 0.3),
-            normal((vocab, rank), 0.3), normal((vocab, rank), 0.3)]
+    args = [
+        anchor,
+        cand,
+        normal((1, rows, k)),
+        normal((1, rows, rank), 0.3),
+        normal((vocab, rank), 0.3),
+        normal((vocab, rank), 0.3),
+    ]
     if name == "select_sampled":
         args += [mx.array(rng.random((1, rows)).astype(np.float32)).astype(dtype), 0.8]
     return tuple(args)
@@ -122,4 +127,3 @@ def _near_tie(args, got, want, margin=1e-4) -> bool:
                 return bool(k > 1 and abs(top[1] - top[0]) < margin * max(1.0, abs(top[1])))
             a = int(np.nonzero(cand[b, i] == got[b, i])[0][0])
     return False
-

@@ -88,8 +88,7 @@ class DrafterConfig:
         arch = next((a for a in archs if a in ARCHITECTURES), None)
         if arch is None:
             raise ConfigError(
-                f"config.json architectures {archs} is not a DFlash drafter "
-                f"(expected one of {list(ARCHITECTURES)})"
+                f"config.json architectures {archs} is not a DFlash drafter (expected one of {list(ARCHITECTURES)})"
             )
         dflash = cfg.get("dflash_config") or {}
 

@@ -114,8 +114,10 @@ def policy_line(architecture: Optional[str] = None) -> str:
     override = "" if activation_setting() else f"; {ACTIVATIONS_ENV}=float32|native overrides"
     if choice.dtype is None:
         return f"runs in its stored dtype (a 4/8-bit drafter in its scales' dtype); why: {choice.reason}{override}"
-    return (f"runs in float32 activations (16-bit weights upcast; 4/8-bit weights stay packed: w4a32/w8a32); "
-            f"why: {choice.reason}{override}")
+    return (
+        f"runs in float32 activations (16-bit weights upcast; 4/8-bit weights stay packed: w4a32/w8a32); "
+        f"why: {choice.reason}{override}"
+    )
 
 
 def planned_drafter_memory(weight_bytes: int, shape, quantized: bool) -> tuple[int, object]:

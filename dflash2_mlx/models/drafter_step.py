@@ -52,8 +52,16 @@ def _linear(x: mx.array, arrays: dict, meta: Optional[tuple]) -> mx.array:
         y = x @ arrays["weight_t"]
     else:
         group_size, bits, mode = meta
-        y = mx.quantized_matmul(x, arrays["weight"], arrays["scales"], arrays.get("biases"),
-                                transpose=True, group_size=group_size, bits=bits, mode=mode)
+        y = mx.quantized_matmul(
+            x,
+            arrays["weight"],
+            arrays["scales"],
+            arrays.get("biases"),
+            transpose=True,
+            group_size=group_size,
+            bits=bits,
+            mode=mode,
+        )
     return y + arrays["bias"] if "bias" in arrays else y
 
 
@@ -64,7 +72,10 @@ class DraftStep:
         self.config = config
         self.eps = config.rms_norm_eps
         self.heads, self.kv_heads, self.head_dim = (
-            config.num_attention_heads, config.num_key_value_heads, config.head_dim)
+            config.num_attention_heads,
+            config.num_key_value_heads,
+            config.head_dim,
+        )
         self.scale = self.head_dim**-0.5
         self.windows = [layer.self_attn.window for layer in layers]
         self.causal = [layer.self_attn.causal for layer in layers]
@@ -82,22 +93,34 @@ class DraftStep:
         """Rebuild the packed weights from the drafter's current parameters."""
         fc, hidden_norm, layers, norm = self._sources
         row_major = blas.row_major_copies_pay(
-            m.weight for module in (fc, *layers) for _, m in module.named_modules() if type(m) is nn.Linear)
+            m.weight for module in (fc, *layers) for _, m in module.named_modules() if type(m) is nn.Linear
+        )
         arrays: dict = {"hidden_norm": hidden_norm.weight, "norm": norm.weight, "layers": []}
         meta: dict = {"layers": []}
         arrays["fc"], meta["fc"] = _pack_linear(fc, row_major)
         for layer in layers:
             attn = layer.self_attn
-            a: dict = {"input_norm": layer.input_layernorm.weight,
-                       "post_norm": layer.post_attention_layernorm.weight,
-                       "qk_norm": mx.concatenate([
-                           mx.broadcast_to(attn.q_norm.weight, (self.heads, self.head_dim)),
-                           mx.broadcast_to(attn.k_norm.weight, (self.kv_heads, self.head_dim))]),
-                       "k_norm": attn.k_norm.weight}
+            a: dict = {
+                "input_norm": layer.input_layernorm.weight,
+                "post_norm": layer.post_attention_layernorm.weight,
+                "qk_norm": mx.concatenate(
+                    [
+                        mx.broadcast_to(attn.q_norm.weight, (self.heads, self.head_dim)),
+                        mx.broadcast_to(attn.k_norm.weight, (self.kv_heads, self.head_dim)),
+                    ]
+                ),
+                "k_norm": attn.k_norm.weight,
+            }
             m: dict = {}
-            for name, linear in (("q", attn.q_proj), ("k", attn.k_proj), ("v", attn.v_proj),
-                                 ("o", attn.o_proj), ("gate", layer.mlp.gate_proj),
-                                 ("up", layer.mlp.up_proj), ("down", layer.mlp.down_proj)):
+            for name, linear in (
+                ("q", attn.q_proj),
+                ("k", attn.k_proj),
+                ("v", attn.v_proj),
+                ("o", attn.o_proj),
+                ("gate", layer.mlp.gate_proj),
+                ("up", layer.mlp.up_proj),
+                ("down", layer.mlp.down_proj),
+            ):
                 a[name], m[name] = _pack_linear(linear, row_major)
             if self.has_convs:
                 for name, conv in (("attention_conv", layer.attention_conv), ("mlp_conv", layer.mlp_conv)):
@@ -203,7 +226,9 @@ class DraftStep:
             conv_in, conv_out = self._conv_coefficients(h, a["mlp_conv"], m["mlp_conv"])
             h = kernels.two_tap_conv(h, conv_in, a["mlp_conv"]["base_in"])
         rows = h.reshape(length, hidden)
-        h = _linear(nn.silu(_linear(rows, a["gate"], m["gate"])) * _linear(rows, a["up"], m["up"]), a["down"], m["down"])
+        h = _linear(
+            nn.silu(_linear(rows, a["gate"], m["gate"])) * _linear(rows, a["up"], m["up"]), a["down"], m["down"]
+        )
         if self.has_convs:
             h = kernels.two_tap_conv(h.reshape(b, length, hidden), conv_out, a["mlp_conv"]["base_out"])
         return x + h

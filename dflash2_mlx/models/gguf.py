@@ -304,8 +304,9 @@ def placement_line() -> str:
     """One line for ``doctor``: where a GGUF target's weights run, and why."""
     if runs_quantized():
         return "GGUF weights stay quantized on the Metal GPU (its quantized matmuls read 4-8x fewer bytes)"
-    return ("GGUF weights are dequantized to float32 on the CPU (MLX's CPU quantized matmul has no fast path: "
-            f"{CPU_COSTS})")
+    return (
+        f"GGUF weights are dequantized to float32 on the CPU (MLX's CPU quantized matmul has no fast path: {CPU_COSTS})"
+    )
 
 
 def place_weights(model: nn.Module) -> nn.Module:

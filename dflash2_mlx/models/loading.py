@@ -44,7 +44,9 @@ def resolve(path_or_repo: str, what: str = "model") -> Path:
         if not path.is_dir():
             raise LoadError(f"{what} path {path} is a file; give the directory that holds config.json")
         if not (path / "config.json").exists():
-            raise LoadError(f"{what} directory {path} has no config.json; give the model's own directory (the one that holds config.json and the weights)")
+            raise LoadError(
+                f"{what} directory {path} has no config.json; give the model's own directory (the one that holds config.json and the weights)"
+            )
         return path
     if not _REPO_ID.match(path_or_repo) or path_or_repo.startswith((".", "/", "~")):
         raise LoadError(f"{what} path {path_or_repo} does not exist; give a model directory or a repo id like org/name")
@@ -70,19 +72,33 @@ def _download(repo_id: str, what: str) -> Path:
     from huggingface_hub.errors import GatedRepoError, LocalEntryNotFoundError, RepositoryNotFoundError
 
     try:
-        path = Path(snapshot_download(repo_id, allow_patterns=["*.json", "*.safetensors", "*.jinja", "*.txt", "tokenizer.model", "*.tiktoken"]))
+        path = Path(
+            snapshot_download(
+                repo_id, allow_patterns=["*.json", "*.safetensors", "*.jinja", "*.txt", "tokenizer.model", "*.tiktoken"]
+            )
+        )
     except GatedRepoError:
-        raise LoadError(f"{what} repo {repo_id} is gated: accept its license on huggingface.co and run `hf auth login`") from None
+        raise LoadError(
+            f"{what} repo {repo_id} is gated: accept its license on huggingface.co and run `hf auth login`"
+        ) from None
     except RepositoryNotFoundError:
-        raise LoadError(f"{what} repo {repo_id} was not found on Hugging Face (check the name, or log in for a private repo)") from None
+        raise LoadError(
+            f"{what} repo {repo_id} was not found on Hugging Face (check the name, or log in for a private repo)"
+        ) from None
     except LocalEntryNotFoundError:
         from huggingface_hub import constants
 
         if constants.HF_HUB_OFFLINE:
-            raise LoadError(f"{what} repo {repo_id} is not in the local cache and offline mode is on (HF_HUB_OFFLINE); unset HF_HUB_OFFLINE to download it, or pass a local directory") from None
-        raise LoadError(f"{what} repo {repo_id} is not in the local cache and the Hub cannot be reached; connect once or pass a local directory") from None
+            raise LoadError(
+                f"{what} repo {repo_id} is not in the local cache and offline mode is on (HF_HUB_OFFLINE); unset HF_HUB_OFFLINE to download it, or pass a local directory"
+            ) from None
+        raise LoadError(
+            f"{what} repo {repo_id} is not in the local cache and the Hub cannot be reached; connect once or pass a local directory"
+        ) from None
     except Exception as e:  # network errors come in many types; all are the user's to retry
-        raise LoadError(f"could not download {what} repo {repo_id}: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}") from None
+        raise LoadError(
+            f"could not download {what} repo {repo_id}: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+        ) from None
     if not (path / "config.json").exists():
         raise LoadError(f"{what} repo {repo_id} has no config.json; is it a model repo?")
     return path
@@ -107,7 +123,9 @@ def _load_safetensors(files: list[Path]) -> dict[str, mx.array]:
         try:
             weights.update(mx.load(str(f)))
         except Exception as e:
-            raise LoadError(f"weight file {f} is corrupt or truncated ({str(e).splitlines()[0]}); re-download it") from None
+            raise LoadError(
+                f"weight file {f} is corrupt or truncated ({str(e).splitlines()[0]}); re-download it"
+            ) from None
     return weights
 
 
@@ -134,7 +152,9 @@ def load_target(path_or_repo: str) -> Target:
         raise LoadError(f"{path} is a DFlash drafter, not a target model; pass it as --draft-model")
     files = sorted(path.glob("model*.safetensors"))
     if not files:
-        raise LoadError(f"model directory {path} has no model*.safetensors weight files; re-download the model or give the directory that holds its weights")
+        raise LoadError(
+            f"model directory {path} has no model*.safetensors weight files; re-download the model or give the directory that holds its weights"
+        )
     # Read the headers first (lazy, no tensor data): a damaged file is named as such here, not
     # reported by mlx-lm as a config mismatch (a non-UTF-8 header raises a ValueError there).
     _load_safetensors(files)
@@ -144,9 +164,13 @@ def load_target(path_or_repo: str) -> Target:
         msg = _one_line(str(e)) or type(e).__name__
         if "model type" in msg.lower() or "not supported" in msg.lower():
             raise LoadError(f"model {path}: {msg}") from None
-        raise LoadError(f"model {path} does not match its config.json ({msg}); re-download it, the download may be incomplete") from None
+        raise LoadError(
+            f"model {path} does not match its config.json ({msg}); re-download it, the download may be incomplete"
+        ) from None
     except RuntimeError as e:
-        raise LoadError(f"model {path}: a weight file is corrupt or truncated ({str(e).splitlines()[0]}); re-download it") from None
+        raise LoadError(
+            f"model {path}: a weight file is corrupt or truncated ({str(e).splitlines()[0]}); re-download it"
+        ) from None
     if "gguf" in config:
         from dflash2_mlx.models import gguf
 
@@ -186,13 +210,17 @@ def load_drafter(path_or_repo: str, activations: Optional[ActivationChoice] = No
         raise LoadError(f"draft model {path}: {e}; check or re-download the drafter's config.json") from None
     files = sorted(path.glob("*.safetensors"))
     if not files:
-        raise LoadError(f"draft model directory {path} has no .safetensors weight files; re-download the drafter or give the directory that holds its weights")
+        raise LoadError(
+            f"draft model directory {path} has no .safetensors weight files; re-download the drafter or give the directory that holds its weights"
+        )
     weights = _load_safetensors(files)
     drafter = Drafter(config)
     quant = raw.get("quantization")
     if quant:
         nn.quantize(
-            drafter, group_size=quant["group_size"], bits=quant["bits"],
+            drafter,
+            group_size=quant["group_size"],
+            bits=quant["bits"],
             class_predicate=lambda p, m: f"{p}.scales" in weights,
         )
     expected = dict(tree_flatten(drafter.parameters()))
@@ -200,7 +228,9 @@ def load_drafter(path_or_repo: str, activations: Optional[ActivationChoice] = No
     unexpected = sorted(set(weights) - set(expected))
     if missing or unexpected:
         detail = f"missing {missing[:3]}" if missing else f"unexpected {unexpected[:3]}"
-        raise LoadError(f"draft model {path} does not match its config.json ({detail}); re-download it: the weights are not a complete {config.architecture} checkpoint for this config")
+        raise LoadError(
+            f"draft model {path} does not match its config.json ({detail}); re-download it: the weights are not a complete {config.architecture} checkpoint for this config"
+        )
     for name, value in weights.items():
         if value.shape != expected[name].shape:
             raise LoadError(
@@ -248,13 +278,13 @@ def validate_pair(runner: TargetRunner, config: DrafterConfig, target_name: Opti
             import warnings
 
             warnings.warn(
-                f"drafter was trained for {config.target_name} but the target is {target_name}; "
-                "acceptance may be low"
+                f"drafter was trained for {config.target_name} but the target is {target_name}; acceptance may be low"
             )
 
 
-def load_pair(target_spec: str, drafter_spec: Optional[str], context: Optional[int] = None,
-              label: Optional[str] = None) -> tuple[Target, Optional[Drafter]]:
+def load_pair(
+    target_spec: str, drafter_spec: Optional[str], context: Optional[int] = None, label: Optional[str] = None
+) -> tuple[Target, Optional[Drafter]]:
     """Load a target (and its drafter) the way the commands and the server do: the memory
     pre-flight first (before any download: a pair that cannot fit ends in one line), then load
     and validate, run the Metal kernels' self-checks for every float dtype the models use (before

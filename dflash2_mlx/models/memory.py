@@ -46,8 +46,14 @@ class MemoryPlan:
 
     @property
     def total(self) -> int:
-        return (self.target_weights + self.drafter_weights + self.kv_cache + self.gdn_states
-                + self.verify_states + self.drafter_context)
+        return (
+            self.target_weights
+            + self.drafter_weights
+            + self.kv_cache
+            + self.gdn_states
+            + self.verify_states
+            + self.drafter_context
+        )
 
     @property
     def needed(self) -> int:
@@ -58,8 +64,14 @@ class MemoryPlan:
         return {**asdict(self), "total": self.total, "needed_with_headroom": self.needed}
 
 
-def plan(target: TargetShape, target_weights: int, drafter: Optional[DrafterShape], drafter_weights: int,
-         context: int, keeps_verify_states: bool) -> MemoryPlan:
+def plan(
+    target: TargetShape,
+    target_weights: int,
+    drafter: Optional[DrafterShape],
+    drafter_weights: int,
+    context: int,
+    keeps_verify_states: bool,
+) -> MemoryPlan:
     """The memory a pair needs for one sequence of ``context`` tokens."""
     return MemoryPlan(
         context=context,
@@ -169,8 +181,9 @@ def check_fits(needed: MemoryPlan, has: int, source: str, label: str) -> None:
     )
 
 
-def preflight(target: str, drafter: Optional[str], context: Optional[int] = None, label: Optional[str] = None
-              ) -> Optional[MemoryPlan]:
+def preflight(
+    target: str, drafter: Optional[str], context: Optional[int] = None, label: Optional[str] = None
+) -> Optional[MemoryPlan]:
     """Check, before any download or load, that the pair (local directories, repo ids, or a
     preset's repos) fits this machine's memory at ``context`` tokens (default: 32K, or the model's
     context if shorter). Raises DoesNotFit with one line; returns the plan, or None when the
@@ -199,7 +212,8 @@ def preflight(target: str, drafter: Optional[str], context: Optional[int] = None
         label = label or "this model pair"
     if drafter_shape is not None:  # on M1/M2 (or when forced) a 16-bit drafter is upcast to float32
         drafter_weights, drafter_shape = drafter_precision.planned_drafter_memory(
-            drafter_weights, drafter_shape, drafter_quantized)
+            drafter_weights, drafter_shape, drafter_quantized
+        )
     limit = target_shape.max_context or DEFAULT_CONTEXT
     ctx = min(context or DEFAULT_CONTEXT, limit)
     needed = plan(target_shape, target_weights, drafter_shape, drafter_weights, ctx, keeps_verify_states(target_shape))

@@ -20,9 +20,17 @@ from dflash2_mlx.models.shapes import GB, DrafterShape, TargetShape
 # The shapes of /work/shared/reference (qwen3.8-27b and qwen3.8-27b-dflash2 config.json): what
 # sizes the caches, known without downloading anything (the memory pre-flight uses them).
 QWEN38_27B_SHAPE = TargetShape(
-    attention_layers=16, kv_heads=4, head_dim=256,  # every 4th of 64 layers is gated attention
-    gdn_layers=48, gdn_value_heads=48, gdn_value_dim=128, gdn_key_heads=16, gdn_key_dim=128,
-    conv_kernel=4, kv_bytes=2, max_context=262144,
+    attention_layers=16,
+    kv_heads=4,
+    head_dim=256,  # every 4th of 64 layers is gated attention
+    gdn_layers=48,
+    gdn_value_heads=48,
+    gdn_value_dim=128,
+    gdn_key_heads=16,
+    gdn_key_dim=128,
+    conv_kernel=4,
+    kv_bytes=2,
+    max_context=262144,
 )
 DFLASH2_27B_SHAPE = DrafterShape(layers=5, kv_heads=8, head_dim=128, window=2048, kv_bytes=2)
 

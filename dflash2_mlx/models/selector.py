@@ -43,8 +43,12 @@ class CandidateSelector(nn.Module):
         """hidden [N, R, H], logits [N, R, V], anchor [N] -> draft tokens [N, R]."""
         candidates, unary = top_k_candidates(logits, self.top_k)
         return kernels.select_greedy(
-            anchor, candidates, unary, self.hidden_projection(hidden),
-            self.predecessor_codebook, self.successor_codebook,
+            anchor,
+            candidates,
+            unary,
+            self.hidden_projection(hidden),
+            self.predecessor_codebook,
+            self.successor_codebook,
         )
 
     def pair_scores(self, hidden: mx.array, logits: mx.array, anchor: mx.array) -> tuple[mx.array, mx.array]:
@@ -52,8 +56,12 @@ class CandidateSelector(nn.Module):
         [N, R, k, k]) for a walk done elsewhere (the grammar's, which skips refused candidates)."""
         candidates, unary = top_k_candidates(logits, self.top_k)
         return candidates, reference.pair_scores(
-            anchor, candidates, unary, self.hidden_projection(hidden),
-            self.predecessor_codebook, self.successor_codebook,
+            anchor,
+            candidates,
+            unary,
+            self.hidden_projection(hidden),
+            self.predecessor_codebook,
+            self.successor_codebook,
         )
 
     def sampled(
@@ -72,7 +80,13 @@ class CandidateSelector(nn.Module):
         """
         candidates, unary = top_k_candidates(logits, self.top_k)
         tokens, q = kernels.select_sampled(
-            anchor, candidates, unary, self.hidden_projection(hidden),
-            self.predecessor_codebook, self.successor_codebook, uniforms, temperature,
+            anchor,
+            candidates,
+            unary,
+            self.hidden_projection(hidden),
+            self.predecessor_codebook,
+            self.successor_codebook,
+            uniforms,
+            temperature,
         )
         return tokens, candidates, q

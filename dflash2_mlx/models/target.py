@@ -82,6 +82,7 @@ def _keeps_step_states(gdn: nn.Module, steps: int) -> bool:
 # whose lengths vary with the prompt, do not (every new shape would be traced and kept).
 COMPILED_MAX_ROWS = 16
 
+
 def _submodule(layer: nn.Module, path: str) -> nn.Module:
     for name in path.split("."):
         layer = getattr(layer, name)
@@ -210,7 +211,8 @@ class TargetRunner:
         self._rope_tables: dict = {}  # RoPE settings -> rope.RopeTable
         if block_weight_copies is None:
             block_weight_copies = blas.row_major_copies_pay(
-                m.weight for layer in self.layers for _, m in layer.named_modules() if type(m) is nn.Linear)
+                m.weight for layer in self.layers for _, m in layer.named_modules() if type(m) is nn.Linear
+            )
         self.block_weight_copies = block_weight_copies
 
     def _rope_table(self, attn: nn.Module) -> Optional[rope.RopeTable]:
@@ -235,8 +237,8 @@ class TargetRunner:
         verify pass is compared to plain decoding by its tokens, as with the views)."""
         copies = self.block_weight_copies and 1 < rows <= COMPILED_MAX_ROWS
         return self._transposed_views(
-            (i, copies), lambda: {path: m for path, m in self.layers[i].named_modules() if type(m) is nn.Linear},
-            copies)
+            (i, copies), lambda: {path: m for path, m in self.layers[i].named_modules() if type(m) is nn.Linear}, copies
+        )
 
     def _transposed_views(self, key, find: Callable[[], dict], copies: bool = False) -> dict:
         """{path: weight.T} of the modules ``find()`` returns (views, or row-major copies),
@@ -331,8 +333,12 @@ class TargetRunner:
         mask = None
         if self._attention_index is not None:
             mask = create_attention_mask(h, cache[self._attention_index])
-            if isinstance(mask, str) and mask == "causal" and tokens.shape[1] <= COMPILED_MAX_ROWS \
-                    and device.cpu_paths():
+            if (
+                isinstance(mask, str)
+                and mask == "causal"
+                and tokens.shape[1] <= COMPILED_MAX_ROWS
+                and device.cpu_paths()
+            ):
                 # the boolean mask MLX's CPU attention builds from "causal" in every layer (a few
                 # ops each), made once on the host: the same where(mask, scores, -inf) follows
                 offset, rows = cache[self._attention_index].offset, tokens.shape[1]
@@ -401,16 +407,18 @@ class TargetRunner:
             h, (conv_input, q, k, v, a, b), new_state, states = fn(h, conv_state, state, weights_t)
         else:
             h, (conv_input, q, k, v, a, b), new_state, states = gated_delta_layer(
-                layer, h, conv_state, state, weights_t, keep)
-        conv_state = conv_input[:, -(gdn.conv_kernel_size - 1):, :]
+                layer, h, conv_state, state, weights_t, keep
+            )
+        conv_state = conv_input[:, -(gdn.conv_kernel_size - 1) :, :]
         # a copy frees a prefill chunk's whole conv input (mlx-lm copies always); a block's is a
         # few rows, and the view saves an op per layer per pass
         cache[0] = conv_state if steps <= COMPILED_MAX_ROWS else mx.contiguous(conv_state)
         cache[1] = new_state
         cache.advance(steps)
         if record is not None:
-            record.append(RecurrentInputs(
-                conv_input, q, k, v, a, b, state, gdn.A_log, gdn.dt_bias, states if keep else None))
+            record.append(
+                RecurrentInputs(conv_input, q, k, v, a, b, state, gdn.A_log, gdn.dt_bias, states if keep else None)
+            )
         return h
 
 
@@ -424,8 +432,14 @@ def _pass_rope_rows(table: rope.RopeTable, cache, rows: int) -> tuple[mx.array, 
     return rope.table_rows_at(table.covering(max(cache.starts) + rows), cache.offset, rows)
 
 
-def gated_delta_layer(layer: nn.Module, h: mx.array, conv_state: mx.array, state: Optional[mx.array],
-                      weights_t: Optional[dict] = None, keep: bool = False):
+def gated_delta_layer(
+    layer: nn.Module,
+    h: mx.array,
+    conv_state: mx.array,
+    state: Optional[mx.array],
+    weights_t: Optional[dict] = None,
+    keep: bool = False,
+):
     """A Qwen3.5/3.8 Gated DeltaNet decoder layer on ``h`` [1, S, H]; a pure function, so that it
     can be compiled -> (output rows, the recurrence's inputs (conv_input, q, k, v, a, b), the state
     after the pass, and with ``keep`` the state after every step [1, S, Hv, Dv, Dk] (else [])).
@@ -461,8 +475,9 @@ def gated_delta_layer(layer: nn.Module, h: mx.array, conv_state: mx.array, state
     return rows.reshape(B, S, H), (conv_input, q, k, v, a, b), new_state, states
 
 
-def gated_attention_inputs(layer: nn.Module, h: mx.array, offset: mx.array, weights_t: Optional[dict] = None,
-                           rope_rows: tuple = ()):
+def gated_attention_inputs(
+    layer: nn.Module, h: mx.array, offset: mx.array, weights_t: Optional[dict] = None, rope_rows: tuple = ()
+):
     """The first half of mlx-lm's Qwen3NextAttention.__call__ (inside a DecoderLayer) for rows
     ``h`` [1, L, H] at positions offset.. -> roped queries and keys, values, the output gate.
     With ``rope_rows`` (cos, sin of those positions, ``TargetRunner._rope_table``) RoPE is
@@ -483,8 +498,9 @@ def gated_attention_inputs(layer: nn.Module, h: mx.array, offset: mx.array, weig
     return attn.rope(queries, offset=offset), attn.rope(keys, offset=offset), values, gate
 
 
-def gated_attention_output(layer: nn.Module, h: mx.array, attention: mx.array, gate: mx.array,
-                           weights_t: Optional[dict] = None) -> mx.array:
+def gated_attention_output(
+    layer: nn.Module, h: mx.array, attention: mx.array, gate: mx.array, weights_t: Optional[dict] = None
+) -> mx.array:
     """The rest of the decoder layer: output gate and projection, residual, MLP, residual."""
     B, L, H = h.shape
     out = attention.transpose(0, 2, 1, 3).reshape(B * L, -1)

@@ -283,8 +283,9 @@ class BreakEvenController:
     """Per request: the block size with the most expected tokens per second, or plain steps with
     budgeted probes (module docstring)."""
 
-    def __init__(self, profile: PairProfile, max_block: int, greedy: bool, temperature: float,
-                 probe_budget: float = PROBE_BUDGET):
+    def __init__(
+        self, profile: PairProfile, max_block: int, greedy: bool, temperature: float, probe_budget: float = PROBE_BUDGET
+    ):
         self.profile, self.max_block = profile, max_block
         self.costs = profile.cost_table(greedy)
         self.pair = profile.acceptance(0.0 if greedy else temperature)
@@ -340,18 +341,25 @@ class BreakEvenController:
             self.probes.append(False)
             return PLAIN
         if ratio > 1.0:
-            self._switch("speculative", f"block {b} expects {e:.2f} tokens per {steps} plain steps"
-                         f" ({ratio:.2f}x plain)", context_len)
+            self._switch(
+                "speculative",
+                f"block {b} expects {e:.2f} tokens per {steps} plain steps ({ratio:.2f}x plain)",
+                context_len,
+            )
             self.probes.append(False)
             return b
-        self._switch("plain", f"the best block ({b}) expects {e:.2f} tokens per {steps} plain steps"
-                     f" ({ratio:.2f}x plain)", context_len)
+        self._switch(
+            "plain",
+            f"the best block ({b}) expects {e:.2f} tokens per {steps} plain steps ({ratio:.2f}x plain)",
+            context_len,
+        )
         # One probe at a time (the loop chooses a cycle ahead: a second would be paid before the
         # first's outcome is known), priced at what this request's probes really cost: a probe
         # after a plain stretch runs a cold drafter and costs more than the cycles it was timed on.
         predicted = max(cost - step, self.probe_excess / self.probe_count if self.probe_count else 0.0)
-        probe = not any(self.probes) and \
-            self.probe_excess + predicted <= self.probe_budget * (self.decode_seconds + cost)
+        probe = not any(self.probes) and self.probe_excess + predicted <= self.probe_budget * (
+            self.decode_seconds + cost
+        )
         self.probes.append(probe)
         return b if probe else PLAIN
 
@@ -383,8 +391,13 @@ class BreakEvenController:
             self.tally.add("speculative" if block_size > PLAIN else "plain", block_size, accepted + 1)
 
     def summary(self) -> dict:
-        return {"policy": "auto", **self.tally.as_dict(), "mode": self.mode, "last_switch": self.last_switch,
-                "probe_share_of_decode_time": self.probe_excess / self.decode_seconds if self.decode_seconds else 0.0}
+        return {
+            "policy": "auto",
+            **self.tally.as_dict(),
+            "mode": self.mode,
+            "last_switch": self.last_switch,
+            "probe_share_of_decode_time": self.probe_excess / self.decode_seconds if self.decode_seconds else 0.0,
+        }
 
 
 def calibrate(runner, drafter, costs: CostTable, sampling) -> None:
@@ -440,8 +453,9 @@ def policy_for(runner, drafter, settings) -> BlockPolicy:
         return FixedBlock(settings.block_size)
     greedy = settings.sampling.greedy
     ensure_calibrated(runner, drafter, settings.sampling)
-    return BreakEvenController(profile_for(runner.model, drafter), drafter.config.block_size, greedy,
-                               settings.sampling.temperature)
+    return BreakEvenController(
+        profile_for(runner.model, drafter), drafter.config.block_size, greedy, settings.sampling.temperature
+    )
 
 
 def ensure_calibrated(runner, drafter, sampling) -> bool:

@@ -62,16 +62,29 @@ def convert(req: MessagesRequest) -> tuple[list[dict], Optional[list[dict]], dic
             elif b.type == "tool_use" and m.role == "assistant":
                 if not b.name:
                     raise bad_request(f"{where} (tool_use) has no name", f"{where}.name")
-                calls.append({"id": b.id or f"toolu_{j}", "type": "function",
-                              "function": {"name": b.name, "arguments": b.input or {}}})
+                calls.append(
+                    {
+                        "id": b.id or f"toolu_{j}",
+                        "type": "function",
+                        "function": {"name": b.name, "arguments": b.input or {}},
+                    }
+                )
             elif b.type == "tool_result" and m.role == "user":
                 if not b.tool_use_id:
                     raise bad_request(f"{where} (tool_result) has no tool_use_id", f"{where}.tool_use_id")
-                results.append({"role": "tool", "tool_call_id": b.tool_use_id,
-                                "content": _block_text(b.content, f"{where}.content")})
+                results.append(
+                    {
+                        "role": "tool",
+                        "tool_call_id": b.tool_use_id,
+                        "content": _block_text(b.content, f"{where}.content"),
+                    }
+                )
             else:
-                raise bad_request(f"{where} has type '{b.type}', which a {m.role} message cannot carry here "
-                                  "(this server takes text, thinking, tool_use and tool_result blocks)", f"{where}.type")
+                raise bad_request(
+                    f"{where} has type '{b.type}', which a {m.role} message cannot carry here "
+                    "(this server takes text, thinking, tool_use and tool_result blocks)",
+                    f"{where}.type",
+                )
         messages += results
         if m.role == "assistant":
             d: dict[str, Any] = {"role": "assistant", "content": "".join(text)}
@@ -88,10 +101,21 @@ def convert(req: MessagesRequest) -> tuple[list[dict], Optional[list[dict]], dic
         names = [t.name for t in req.tools]
         if choice is not None and choice.type == "tool" and choice.name not in names:
             raise bad_request(f"tool_choice names '{choice.name}', which is not among the tools {names}", "tool_choice")
-        tools = [{"type": "function", "function": {k: v for k, v in {
-            "name": t.name, "description": t.description,
-            "parameters": t.input_schema or {"type": "object", "properties": {}}}.items() if v is not None}}
-            for t in req.tools]
+        tools = [
+            {
+                "type": "function",
+                "function": {
+                    k: v
+                    for k, v in {
+                        "name": t.name,
+                        "description": t.description,
+                        "parameters": t.input_schema or {"type": "object", "properties": {}},
+                    }.items()
+                    if v is not None
+                },
+            }
+            for t in req.tools
+        ]
     elif choice is not None and choice.type in ("any", "tool"):
         raise bad_request("tool_choice needs tools", "tool_choice")
     kwargs: dict = {}
@@ -107,15 +131,21 @@ def output_constraint(req: MessagesRequest, tools: Optional[list[dict]]):
     if fmt is None and req.output_format is not None:
         fmt, param = req.output_format, "output_format"
     if fmt is not None and not (isinstance(fmt, dict) and fmt.get("type") == "json_schema"):
-        raise bad_request(f"{param} must be {{\"type\": \"json_schema\", \"schema\": {{...}}}}", param)
+        raise bad_request(f'{param} must be {{"type": "json_schema", "schema": {{...}}}}', param)
     return forced or response_format_constraint(fmt, param)
 
 
 def prepare(req: MessagesRequest, worker, default_max_tokens: int):
     max_tokens = check_max_tokens(req.max_tokens, default_max_tokens)
     messages, tools, kwargs = convert(req)
-    params = build_params(req, max_tokens=max_tokens, vocab_size=worker.vocab_size, defaults=worker.defaults,
-                          stop=req.stop_sequences, constraint=output_constraint(req, tools))
+    params = build_params(
+        req,
+        max_tokens=max_tokens,
+        vocab_size=worker.vocab_size,
+        defaults=worker.defaults,
+        stop=req.stop_sequences,
+        constraint=output_constraint(req, tools),
+    )
     return messages, tools, kwargs, params
 
 
@@ -130,11 +160,17 @@ class MessagesFormatter(Formatter):
     # ---- streaming -----------------------------------------------------------------------------
 
     def start(self) -> list[bytes]:
-        message = {"id": self.id, "type": "message", "role": "assistant", "model": self.model, "content": [],
-                   "stop_reason": None, "stop_sequence": None,
-                   "usage": {"input_tokens": self.acc.prompt_tokens, "output_tokens": 0}}
-        return [sse({"type": "message_start", "message": message}, "message_start"),
-                sse({"type": "ping"}, "ping")]
+        message = {
+            "id": self.id,
+            "type": "message",
+            "role": "assistant",
+            "model": self.model,
+            "content": [],
+            "stop_reason": None,
+            "stop_sequence": None,
+            "usage": {"input_tokens": self.acc.prompt_tokens, "output_tokens": 0},
+        }
+        return [sse({"type": "message_start", "message": message}, "message_start"), sse({"type": "ping"}, "ping")]
 
     def _close(self) -> list[bytes]:
         if self.open is None:
@@ -146,8 +182,9 @@ class MessagesFormatter(Formatter):
         out = self._close()
         self.index += 1
         self.open = block["type"]
-        return out + [sse({"type": "content_block_start", "index": self.index, "content_block": block},
-                          "content_block_start")]
+        return out + [
+            sse({"type": "content_block_start", "index": self.index, "content_block": block}, "content_block_start")
+        ]
 
     def _delta(self, delta: dict) -> bytes:
         return sse({"type": "content_block_delta", "index": self.index, "delta": delta}, "content_block_delta")
@@ -179,8 +216,17 @@ class MessagesFormatter(Formatter):
         reason, seq = self.stop_reason()
         spec = self.acc.speculative()
         usage = self.usage()
-        out.append(sse({"type": "message_delta", "delta": {"stop_reason": reason, "stop_sequence": seq},
-                        "usage": {"output_tokens": usage["output_tokens"]}, "speculative": spec}, "message_delta"))
+        out.append(
+            sse(
+                {
+                    "type": "message_delta",
+                    "delta": {"stop_reason": reason, "stop_sequence": seq},
+                    "usage": {"output_tokens": usage["output_tokens"]},
+                    "speculative": spec,
+                },
+                "message_delta",
+            )
+        )
         out.append(sse({"type": "message_stop", "speculative": spec}, "message_stop"))
         return out
 
@@ -203,8 +249,11 @@ class MessagesFormatter(Formatter):
 
     def usage(self) -> dict:
         u = self.acc.usage()
-        return {"input_tokens": u["prompt_tokens"], "output_tokens": u["completion_tokens"],
-                "cache_read_input_tokens": u["prompt_tokens_details"]["cached_tokens"]}
+        return {
+            "input_tokens": u["prompt_tokens"],
+            "output_tokens": u["completion_tokens"],
+            "cache_read_input_tokens": u["prompt_tokens_details"]["cached_tokens"],
+        }
 
     def body(self) -> dict:
         acc = self.acc
@@ -218,12 +267,26 @@ class MessagesFormatter(Formatter):
                 args = json.loads(call["arguments"])
             except ValueError:  # cut off by max_tokens (or malformed): what a client streaming it would hold
                 args = partial_arguments(call["arguments"])
-            content.append({"type": "tool_use", "id": _tool_id(call["id"]), "name": call["name"],
-                            "input": args if isinstance(args, dict) else {"value": args}})
+            content.append(
+                {
+                    "type": "tool_use",
+                    "id": _tool_id(call["id"]),
+                    "name": call["name"],
+                    "input": args if isinstance(args, dict) else {"value": args},
+                }
+            )
         reason, seq = self.stop_reason()
-        return {"id": self.id, "type": "message", "role": "assistant", "model": self.model, "content": content,
-                "stop_reason": reason, "stop_sequence": seq, "usage": self.usage(),
-                "speculative": acc.speculative()}
+        return {
+            "id": self.id,
+            "type": "message",
+            "role": "assistant",
+            "model": self.model,
+            "content": content,
+            "stop_reason": reason,
+            "stop_sequence": seq,
+            "usage": self.usage(),
+            "speculative": acc.speculative(),
+        }
 
 
 def _tool_id(call_id: str) -> str:

@@ -35,8 +35,17 @@ from dflash2_mlx.server.worker import Job, Worker
 log = logging.getLogger("dflash2_mlx.server")
 
 MAX_BODY_BYTES = 4 * 2**20
-KNOWN_ROUTES = {"/v1/chat/completions", "/v1/completions", "/v1/messages", "/v1/messages/count_tokens",
-                "/v1/models", "/v1/responses", "/v1/embeddings", "/health", "/metrics"}
+KNOWN_ROUTES = {
+    "/v1/chat/completions",
+    "/v1/completions",
+    "/v1/messages",
+    "/v1/messages/count_tokens",
+    "/v1/models",
+    "/v1/responses",
+    "/v1/embeddings",
+    "/health",
+    "/metrics",
+}
 
 
 FALLBACK_MAX_TOKENS = 4096  # a request's max_tokens when neither it, the server nor the model sets one
@@ -100,8 +109,11 @@ class _Middleware:
         length = dict(scope.get("headers", [])).get(b"content-length")
         try:
             if length is not None and (not length.isdigit() or int(length) > self.max_body):
-                raise APIError(413, f"the request body is larger than {self.max_body} bytes", code="request_too_large") \
-                    if length.isdigit() else bad_request("invalid Content-Length header")
+                raise (
+                    APIError(413, f"the request body is larger than {self.max_body} bytes", code="request_too_large")
+                    if length.isdigit()
+                    else bad_request("invalid Content-Length header")
+                )
             received = {"n": 0}
 
             async def receive_limited():
@@ -109,8 +121,9 @@ class _Middleware:
                 if message["type"] == "http.request":
                     received["n"] += len(message.get("body", b""))
                     if received["n"] > self.max_body:
-                        raise APIError(413, f"the request body is larger than {self.max_body} bytes",
-                                       code="request_too_large")
+                        raise APIError(
+                            413, f"the request body is larger than {self.max_body} bytes", code="request_too_large"
+                        )
                 return message
 
             await self.app(scope, receive_limited, send_wrapper)
@@ -120,9 +133,15 @@ class _Middleware:
         except Exception:
             log.exception("request %s %s failed", rid, path)
             if status["code"] == 0:
-                await _send_error(send_wrapper, APIError(
-                    500, f"internal server error; the server log has the details under request id {rid}",
-                    code="internal_error"), path)
+                await _send_error(
+                    send_wrapper,
+                    APIError(
+                        500,
+                        f"internal server error; the server log has the details under request id {rid}",
+                        code="internal_error",
+                    ),
+                    path,
+                )
         finally:
             self.metrics.request(route, status["code"] or 499)
 
@@ -171,11 +190,18 @@ def create_app(config: ServerConfig, worker: Optional[Worker] = None, metrics: O
     """The app; the worker (models load on its thread) starts with the app's lifespan."""
     metrics = metrics or (worker.metrics if worker is not None else Metrics())
     if worker is None:
-        worker = Worker(config.model, config.draft_model, max_queue=config.max_queue,
-                        max_concurrent=config.max_concurrent, batch_verify=config.batch_verify,
-                        max_context=config.max_context, prefix_cache_bytes=int(config.prefix_cache_gb * 2**30),
-                        prompt_cache_dir=config.prompt_cache_dir, prompt_cache_bytes=int(config.prompt_cache_gb * 2**30),
-                        metrics=metrics)
+        worker = Worker(
+            config.model,
+            config.draft_model,
+            max_queue=config.max_queue,
+            max_concurrent=config.max_concurrent,
+            batch_verify=config.batch_verify,
+            max_context=config.max_context,
+            prefix_cache_bytes=int(config.prefix_cache_gb * 2**30),
+            prompt_cache_dir=config.prompt_cache_dir,
+            prompt_cache_bytes=int(config.prompt_cache_gb * 2**30),
+            metrics=metrics,
+        )
     name = config.model_name or model_name_for(config.model)
     names = [name] + [n for n in config.served_model_names if n and n != name]
     accepted = set(names) | {config.model}
@@ -212,10 +238,16 @@ def create_app(config: ServerConfig, worker: Optional[Worker] = None, metrics: O
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(request: Request, exc: StarletteHTTPException):
         if exc.status_code == 404:
-            err = APIError(404, f"no route {request.method} {request.url.path}; the API is under /v1 "
-                                "(chat/completions, completions, responses, messages, models)", code="not_found")
+            err = APIError(
+                404,
+                f"no route {request.method} {request.url.path}; the API is under /v1 "
+                "(chat/completions, completions, responses, messages, models)",
+                code="not_found",
+            )
         elif exc.status_code == 405:
-            err = APIError(405, f"method {request.method} is not allowed on {request.url.path}", code="method_not_allowed")
+            err = APIError(
+                405, f"method {request.method} is not allowed on {request.url.path}", code="method_not_allowed"
+            )
         else:
             err = APIError(exc.status_code, str(exc.detail))
         return await _api_error(request, err)
@@ -234,25 +266,45 @@ def create_app(config: ServerConfig, worker: Optional[Worker] = None, metrics: O
         if given is None and auth[:7].lower() == "bearer ":
             given = auth[7:].strip()
         if given is None or not hmac.compare_digest(given.encode(), config.api_key.encode()):
-            where = ("the x-api-key header" if anthropic else
-                     "an 'Authorization: Bearer KEY' or 'x-api-key: KEY' header" if either else
-                     "an 'Authorization: Bearer KEY' header")
-            raise APIError(401, f"{'wrong' if given else 'missing'} API key: send the server's --api-key in {where}",
-                           code="invalid_api_key")
+            where = (
+                "the x-api-key header"
+                if anthropic
+                else "an 'Authorization: Bearer KEY' or 'x-api-key: KEY' header"
+                if either
+                else "an 'Authorization: Bearer KEY' header"
+            )
+            raise APIError(
+                401,
+                f"{'wrong' if given else 'missing'} API key: send the server's --api-key in {where}",
+                code="invalid_api_key",
+            )
 
     def check_model(model: str) -> str:
         if model not in accepted:
-            raise APIError(404, f"model '{model[:200]}' is not served here; available: {names}",
-                           code="model_not_found", param="model")
+            raise APIError(
+                404,
+                f"model '{model[:200]}' is not served here; available: {names}",
+                code="model_not_found",
+                param="model",
+            )
         return model
 
     def require_ready() -> None:
         if worker.state == "loading":
-            raise APIError(503, "the model is still loading; retry in a few seconds", code="model_loading",
-                           headers={"Retry-After": "5"})
+            raise APIError(
+                503,
+                "the model is still loading; retry in a few seconds",
+                code="model_loading",
+                headers={"Retry-After": "5"},
+            )
         if worker.state != "ready":
-            raise APIError(503, "the server is shutting down" if worker.state == "stopping" else
-                           f"the model failed to load: {worker.error}", code="unavailable")
+            raise APIError(
+                503,
+                "the server is shutting down"
+                if worker.state == "stopping"
+                else f"the model failed to load: {worker.error}",
+                code="unavailable",
+            )
 
     def default_max_tokens() -> int:
         """max_tokens of a request that gives none: --default-max-tokens, else the model's own."""
@@ -265,8 +317,14 @@ def create_app(config: ServerConfig, worker: Optional[Worker] = None, metrics: O
             raise context_overflow(len(ids), worker.max_context, param)
 
     def make_job(request: Request, ids, params, save_at) -> Job:
-        return Job(id=request.scope["state"]["request_id"], prompt=ids, params=params, save_at=save_at,
-                   loop=asyncio.get_running_loop(), deadline=time.monotonic() + config.request_timeout)
+        return Job(
+            id=request.scope["state"]["request_id"],
+            prompt=ids,
+            params=params,
+            save_at=save_at,
+            loop=asyncio.get_running_loop(),
+            deadline=time.monotonic() + config.request_timeout,
+        )
 
     def respond(request, job, formatter, stream: bool) -> JobResponse:
         worker.submit(job)
@@ -276,8 +334,13 @@ def create_app(config: ServerConfig, worker: Optional[Worker] = None, metrics: O
 
     @app.get("/health")
     async def health():
-        body = {"status": {"ready": "ok"}.get(worker.state, worker.state), "model": name,
-                "queue_depth": worker.queue_depth(), "active": worker.active_requests(), "busy": worker.busy()}
+        body = {
+            "status": {"ready": "ok"}.get(worker.state, worker.state),
+            "model": name,
+            "queue_depth": worker.queue_depth(),
+            "active": worker.active_requests(),
+            "busy": worker.busy(),
+        }
         if worker.error:
             body["error"] = worker.error
         return JSONResponse(body, status_code=200 if worker.state == "ready" else 503)
@@ -295,16 +358,23 @@ def create_app(config: ServerConfig, worker: Optional[Worker] = None, metrics: O
     async def get_model(model_id: str, request: Request):
         authorize(request, either=True)
         if model_id not in accepted:
-            raise APIError(404, f"model '{model_id[:200]}' is not served here; available: {names}",
-                           code="model_not_found", param="model")
+            raise APIError(
+                404,
+                f"model '{model_id[:200]}' is not served here; available: {names}",
+                code="model_not_found",
+                param="model",
+            )
         return ModelCard(id=model_id, created=created).model_dump()
 
-    async def chat_job(request: Request, req: ChatCompletionRequest, param: str = "messages") -> tuple[Job, Accumulator]:
+    async def chat_job(
+        request: Request, req: ChatCompletionRequest, param: str = "messages"
+    ) -> tuple[Job, Accumulator]:
         """A chat request's job and the accumulator that parses its output (shared by the chat
         and the Responses routes)."""
         messages, tools, kwargs, params = prepare_chat(req, worker, default_max_tokens())
-        prompt = await asyncio.to_thread(render_chat, worker.tokenizer, messages, tools, kwargs,
-                                         worker.prefix_cache is not None)
+        prompt = await asyncio.to_thread(
+            render_chat, worker.tokenizer, messages, tools, kwargs, worker.prefix_cache is not None
+        )
         context_check(prompt.ids, param)
         parser = OutputParser(worker.tokenizer, prompt.initial_state, tools, forced_tool_calls=params.forces_tool_calls)
         acc = Accumulator(worker.tokenizer, len(prompt.ids), parser, tuple(params.stop), params.top_logprobs)
@@ -340,8 +410,12 @@ def create_app(config: ServerConfig, worker: Optional[Worker] = None, metrics: O
         authorize(request)
         stored = responses.get(response_id)
         if stored is None:
-            raise APIError(404, f"no stored response '{response_id[:100]}' (kept in memory, bounded, until the "
-                                "server restarts)", code="not_found", param="response_id")
+            raise APIError(
+                404,
+                f"no stored response '{response_id[:100]}' (kept in memory, bounded, until the server restarts)",
+                code="not_found",
+                param="response_id",
+            )
         return stored
 
     @app.delete("/v1/responses/{response_id}")
@@ -353,9 +427,12 @@ def create_app(config: ServerConfig, worker: Optional[Worker] = None, metrics: O
 
     @app.post("/v1/embeddings")
     async def embeddings(request: Request):
-        raise APIError(404, "this server does not serve embeddings: it runs one generative model (chat, completions, "
-                            "responses, messages); use an embedding model server for /v1/embeddings",
-                       code="embeddings_not_supported")
+        raise APIError(
+            404,
+            "this server does not serve embeddings: it runs one generative model (chat, completions, "
+            "responses, messages); use an embedding model server for /v1/embeddings",
+            code="embeddings_not_supported",
+        )
 
     @app.post("/v1/completions")
     async def completions(request: Request):
@@ -376,8 +453,9 @@ def create_app(config: ServerConfig, worker: Optional[Worker] = None, metrics: O
         check_model(req.model)
         require_ready()
         messages, tools, kwargs, params = prepare_messages(req, worker, default_max_tokens())
-        prompt = await asyncio.to_thread(render_chat, worker.tokenizer, messages, tools, kwargs,
-                                         worker.prefix_cache is not None)
+        prompt = await asyncio.to_thread(
+            render_chat, worker.tokenizer, messages, tools, kwargs, worker.prefix_cache is not None
+        )
         return req, tools, params, prompt
 
     @app.post("/v1/messages")
@@ -399,7 +477,12 @@ def create_app(config: ServerConfig, worker: Optional[Worker] = None, metrics: O
         from starlette.middleware.cors import CORSMiddleware
 
         origins = list(config.allowed_origins)
-        app.add_middleware(CORSMiddleware, allow_origins=origins, allow_methods=["GET", "POST", "OPTIONS"],
-                           allow_headers=["*"], expose_headers=["x-request-id"],
-                           allow_credentials="*" not in origins)
+        app.add_middleware(
+            CORSMiddleware,
+            allow_origins=origins,
+            allow_methods=["GET", "POST", "OPTIONS"],
+            allow_headers=["*"],
+            expose_headers=["x-request-id"],
+            allow_credentials="*" not in origins,
+        )
     return app

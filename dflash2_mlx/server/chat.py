@@ -24,13 +24,26 @@ log = logging.getLogger("dflash2_mlx.server")
 
 # Template arguments the server sets itself.
 RESERVED_TEMPLATE_KWARGS = {
-    "messages", "conversation", "tools", "documents", "add_generation_prompt", "tokenize",
-    "return_dict", "return_tensors", "padding", "truncation", "max_length", "continue_final_message",
-    "chat_template", "tokenizer_kwargs", "return_assistant_tokens_mask",
+    "messages",
+    "conversation",
+    "tools",
+    "documents",
+    "add_generation_prompt",
+    "tokenize",
+    "return_dict",
+    "return_tensors",
+    "padding",
+    "truncation",
+    "max_length",
+    "continue_final_message",
+    "chat_template",
+    "tokenizer_kwargs",
+    "return_assistant_tokens_mask",
 }
 
 
 # ---- requests -> template messages -------------------------------------------------------------
+
 
 def openai_messages(messages) -> list[dict]:
     """Validated ``ChatMessage``s as plain dicts in the shape Hugging Face chat templates expect."""
@@ -44,10 +57,15 @@ def openai_messages(messages) -> list[dict]:
             d["name"] = m.name
         if m.tool_calls:
             if m.role != "assistant":
-                raise bad_request(f"messages[{i}]: only assistant messages carry tool_calls", f"messages[{i}].tool_calls")
+                raise bad_request(
+                    f"messages[{i}]: only assistant messages carry tool_calls", f"messages[{i}].tool_calls"
+                )
             d["tool_calls"] = [
-                {"id": tc.id or f"call_{j}", "type": "function",
-                 "function": {"name": tc.function.name, "arguments": _arguments(tc.function.arguments)}}
+                {
+                    "id": tc.id or f"call_{j}",
+                    "type": "function",
+                    "function": {"name": tc.function.name, "arguments": _arguments(tc.function.arguments)},
+                }
                 for j, tc in enumerate(m.tool_calls)
             ]
         if m.role == "tool":
@@ -100,8 +118,9 @@ def openai_tools(tools, tool_choice) -> Optional[list[dict]]:
     if tool_choice == "none":
         return None
     if tool_choice is not None and not isinstance(tool_choice, str) and tool_choice.function.name not in names:
-        raise bad_request(f"tool_choice names '{tool_choice.function.name}', which is not among the tools {names}",
-                          "tool_choice")
+        raise bad_request(
+            f"tool_choice names '{tool_choice.function.name}', which is not among the tools {names}", "tool_choice"
+        )
     return [t.model_dump(exclude_none=True) for t in tools]
 
 
@@ -115,6 +134,7 @@ def template_kwargs(kwargs: Optional[dict]) -> dict:
 
 # ---- rendering ---------------------------------------------------------------------------------
 
+
 @dataclass
 class Prompt:
     ids: list[int]
@@ -122,8 +142,9 @@ class Prompt:
     initial_state: str = "normal"  # "reasoning" when the template opens a thinking block
 
 
-def render_chat(tokenizer, messages: list[dict], tools: Optional[list], kwargs: dict,
-                with_boundaries: bool = True) -> Prompt:
+def render_chat(
+    tokenizer, messages: list[dict], tools: Optional[list], kwargs: dict, with_boundaries: bool = True
+) -> Prompt:
     if not getattr(tokenizer, "has_chat_template", False):
         from mlx_lm.server import convert_chat
 
@@ -139,7 +160,9 @@ def render_chat(tokenizer, messages: list[dict], tools: Optional[list], kwargs: 
 
 def _apply(tokenizer, messages, add_generation_prompt: bool, extra: dict) -> list[int]:
     try:
-        ids = tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, tokenize=True, **extra)
+        ids = tokenizer.apply_chat_template(
+            messages, add_generation_prompt=add_generation_prompt, tokenize=True, **extra
+        )
     except APIError:
         raise
     except Exception as e:  # jinja2 TemplateError (raise_exception in templates), TypeError, KeyError...
@@ -151,6 +174,7 @@ def _apply(tokenizer, messages, add_generation_prompt: bool, extra: dict) -> lis
 
 
 # ---- output parsing ----------------------------------------------------------------------------
+
 
 @dataclass
 class Delta:
@@ -164,8 +188,15 @@ class OutputParser:
     """Splits streamed model text into content, reasoning and tool calls; template markup (special
     tokens, thinking and tool-call markers) never reaches content or reasoning (see ``markup.py``)."""
 
-    def __init__(self, tokenizer, state: str = "normal", tools: Optional[list] = None,
-                 reasoning: bool = True, tool_calls: bool = True, forced_tool_calls: bool = False):
+    def __init__(
+        self,
+        tokenizer,
+        state: str = "normal",
+        tools: Optional[list] = None,
+        reasoning: bool = True,
+        tool_calls: bool = True,
+        forced_tool_calls: bool = False,
+    ):
         """``forced_tool_calls``: the output is grammar-forced into tool calls
         (``structured.tool_call_markers``' format), parsed as such even when mlx-lm knows no tool
         format for this model. Tools the model calls by itself are parsed with mlx-lm's parser for
@@ -301,10 +332,12 @@ def parse_tool_calls(parser, text: str, tools: Optional[list]) -> Optional[list[
         if not isinstance(item, dict) or not isinstance(item.get("name"), str):
             return None
         args = item.get("arguments", {})
-        calls.append({
-            "id": item.get("id") or f"call_{uuid.uuid4().hex[:24]}",
-            "name": item["name"],
-            "arguments": args if isinstance(args, str) else json.dumps(args, ensure_ascii=False),
-            "complete": True,
-        })
+        calls.append(
+            {
+                "id": item.get("id") or f"call_{uuid.uuid4().hex[:24]}",
+                "name": item["name"],
+                "arguments": args if isinstance(args, str) else json.dumps(args, ensure_ascii=False),
+                "complete": True,
+            }
+        )
     return calls

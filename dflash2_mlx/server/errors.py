@@ -62,9 +62,14 @@ def context_overflow(prompt_tokens: int, max_context: int, param: str = "message
     """A prompt that does not fit the context, in the words clients match on (litellm's and Claude
     Code's fallbacks): OpenAI's sentence with code ``context_length_exceeded``, Anthropic's
     "prompt is too long". The answer needs one position, so the longest prompt is one less."""
-    err = APIError(400, f"This model's maximum context length is {max_context} tokens. However, your messages "
-                        f"resulted in {prompt_tokens} tokens. Shorten the prompt to at most {max_context - 1} "
-                        "tokens (the answer needs room).", code="context_length_exceeded", param=param)
+    err = APIError(
+        400,
+        f"This model's maximum context length is {max_context} tokens. However, your messages "
+        f"resulted in {prompt_tokens} tokens. Shorten the prompt to at most {max_context - 1} "
+        "tokens (the answer needs room).",
+        code="context_length_exceeded",
+        param=param,
+    )
     err.anthropic_message = f"prompt is too long: {prompt_tokens} tokens > {max_context - 1} maximum"
     return err
 
@@ -74,8 +79,13 @@ def openai_body(err: APIError) -> dict:
 
 
 def anthropic_body(err: APIError) -> dict:
-    return {"type": "error", "error": {"type": _ANTHROPIC_TYPES.get(err.status, "api_error"),
-                                       "message": err.anthropic_message or err.message}}
+    return {
+        "type": "error",
+        "error": {
+            "type": _ANTHROPIC_TYPES.get(err.status, "api_error"),
+            "message": err.anthropic_message or err.message,
+        },
+    }
 
 
 def is_anthropic_path(path: str) -> bool:
@@ -96,7 +106,11 @@ def param_from_loc(loc: tuple[Any, ...]) -> str:
     for part in loc:
         if isinstance(part, int):
             out += f"[{part}]"
-        elif part in ("str", "int", "float", "bool") or "[" in str(part) or str(part).startswith(("list", "dict", "function-", "literal")):
+        elif (
+            part in ("str", "int", "float", "bool")
+            or "[" in str(part)
+            or str(part).startswith(("list", "dict", "function-", "literal"))
+        ):
             continue  # union member tags added by pydantic, not request fields
         else:
             out += ("." if out else "") + str(part)
@@ -120,7 +134,9 @@ def describe_validation_error(errors: list[dict]) -> APIError:
         message = f"invalid value for '{param}': {msg} (got {shown})"
     if len(errors) > 1:
         message += f"; {len(errors) - 1} more problem{'s' if len(errors) > 2 else ''} in the request"
-    return APIError(400, message, param=param, code="invalid_value" if kind != "missing" else "missing_required_parameter")
+    return APIError(
+        400, message, param=param, code="invalid_value" if kind != "missing" else "missing_required_parameter"
+    )
 
 
 def _jsonable(value: Any) -> bool:

@@ -48,8 +48,9 @@ def markup_strings(tokenizer, extra: tuple[str, ...] = ()) -> list[str]:
     return sorted((s for s in found if s and s.strip()), key=lambda s: (-len(s), s))
 
 
-def unfinished_tool_call(body: str, parse: Optional[Callable[[str], Optional[list]]] = None
-                         ) -> Optional[tuple[str, str]]:
+def unfinished_tool_call(
+    body: str, parse: Optional[Callable[[str], Optional[list]]] = None
+) -> Optional[tuple[str, str]]:
     """(name, arguments text so far) of a tool call whose body does not parse (cut off by the token
     limit, or malformed), or None when not even its name can be read. JSON calls keep the JSON
     text written so far; XML calls (``<function=NAME>``) the JSON object of the parameters complete
@@ -77,7 +78,7 @@ def _unfinished_xml_call(body: str, parse: Optional[Callable[[str], Optional[lis
     if m is None:
         return None
     last = body.rfind(_XML_PARAMETER_END)
-    complete = body[:last + len(_XML_PARAMETER_END)] if last >= m.end() else body[:m.end()]
+    complete = body[: last + len(_XML_PARAMETER_END)] if last >= m.end() else body[: m.end()]
     calls = parse(complete + _XML_FUNCTION_END) if parse is not None else None
     return m.group(1).strip(), calls[0]["arguments"] if calls else "{}"
 

@@ -133,47 +133,116 @@ class Metrics:
             ]
             for reason, n in sorted(self.generations.items()):
                 lines.append(f'{p}_generations_total{{finish_reason="{reason}"}} {n}')
-            lines += [f"# HELP {p}_tokens_by_mode_total Generated tokens by decoding mode (speculative cycles, "
-                      "the controller's plain steps, its probes).", f"# TYPE {p}_tokens_by_mode_total counter"]
+            lines += [
+                f"# HELP {p}_tokens_by_mode_total Generated tokens by decoding mode (speculative cycles, "
+                "the controller's plain steps, its probes).",
+                f"# TYPE {p}_tokens_by_mode_total counter",
+            ]
             for mode, n in sorted(self.tokens_by_mode.items()):
                 lines.append(f'{p}_tokens_by_mode_total{{mode="{mode}"}} {n}')
-            lines += [f"# HELP {p}_block_size_cycles_total Decode cycles by block size (1: a plain step).",
-                      f"# TYPE {p}_block_size_cycles_total counter"]
+            lines += [
+                f"# HELP {p}_block_size_cycles_total Decode cycles by block size (1: a plain step).",
+                f"# TYPE {p}_block_size_cycles_total counter",
+            ]
             for size, n in sorted(self.block_size_cycles.items()):
                 lines.append(f'{p}_block_size_cycles_total{{block_size="{size}"}} {n}')
             scalars = [
                 ("prompt_tokens_total", "counter", "Prompt tokens of finished generations.", self.prompt_tokens),
-                ("prompt_cached_tokens_total", "counter", "Prompt tokens restored from the prefix cache.", self.cached_tokens),
+                (
+                    "prompt_cached_tokens_total",
+                    "counter",
+                    "Prompt tokens restored from the prefix cache.",
+                    self.cached_tokens,
+                ),
                 ("generation_tokens_total", "counter", "Generated tokens.", self.generation_tokens),
                 ("verify_steps_total", "counter", "Speculative verify cycles.", self.verify_steps),
                 ("cycle_tokens_total", "counter", "Tokens emitted by verify cycles.", self.cycle_tokens),
                 ("draft_tokens_total", "counter", "Drafted tokens.", self.drafted_tokens),
-                ("batched_verify_calls_total", "counter", "Target calls that ran several requests' verify passes at once.",
-                 self.batched_verify_calls),
-                ("batched_verify_passes_total", "counter", "Verify passes run inside batched target calls.",
-                 self.batched_verify_passes),
+                (
+                    "batched_verify_calls_total",
+                    "counter",
+                    "Target calls that ran several requests' verify passes at once.",
+                    self.batched_verify_calls,
+                ),
+                (
+                    "batched_verify_passes_total",
+                    "counter",
+                    "Verify passes run inside batched target calls.",
+                    self.batched_verify_passes,
+                ),
                 ("accepted_tokens_total", "counter", "Drafted tokens accepted by the target.", self.accepted_tokens),
                 ("decode_seconds_total", "counter", "Time spent decoding (first to last token).", self.decode_seconds),
-                ("acceptance_length", "gauge", "Cycle tokens / verify cycles over all requests.",
-                 self.cycle_tokens / self.verify_steps if self.verify_steps else 1.0),
-                ("decode_tokens_per_second", "gauge", "Decode speed of the last finished generation.", self.last_decode_tps),
+                (
+                    "acceptance_length",
+                    "gauge",
+                    "Cycle tokens / verify cycles over all requests.",
+                    self.cycle_tokens / self.verify_steps if self.verify_steps else 1.0,
+                ),
+                (
+                    "decode_tokens_per_second",
+                    "gauge",
+                    "Decode speed of the last finished generation.",
+                    self.last_decode_tps,
+                ),
                 ("queue_depth", "gauge", "Requests waiting for the generation worker.", self.queue_depth()),
-                ("active_requests", "gauge", "Requests decoding (interleaved, up to --max-concurrent).", self.active_requests()),
+                (
+                    "active_requests",
+                    "gauge",
+                    "Requests decoding (interleaved, up to --max-concurrent).",
+                    self.active_requests(),
+                ),
                 ("requests_in_flight", "gauge", "Requests being answered (queued or generating).", self.in_flight),
-                ("active_memory_bytes", "gauge", "MLX active memory, measured by the worker when idle.", self.active_memory),
-                ("baseline_memory_bytes", "gauge", "MLX active memory right after the models loaded.", self.baseline_memory),
+                (
+                    "active_memory_bytes",
+                    "gauge",
+                    "MLX active memory, measured by the worker when idle.",
+                    self.active_memory,
+                ),
+                (
+                    "baseline_memory_bytes",
+                    "gauge",
+                    "MLX active memory right after the models loaded.",
+                    self.baseline_memory,
+                ),
                 ("peak_memory_bytes", "gauge", "MLX peak memory.", self.peak_memory),
-                ("prefix_cache_bytes", "gauge", "Bytes held by prompt-prefix cache snapshots.", self.prefix_cache_bytes),
+                (
+                    "prefix_cache_bytes",
+                    "gauge",
+                    "Bytes held by prompt-prefix cache snapshots.",
+                    self.prefix_cache_bytes,
+                ),
                 ("prefix_cache_entries", "gauge", "Prompt-prefix cache snapshots.", self.prefix_cache_entries),
                 ("prefix_cache_hits_total", "counter", "Prompts that reused a cached prefix.", self.prefix_cache_hits),
-                ("prefix_cache_misses_total", "counter", "Prompts that found no cached prefix.", self.prefix_cache_misses),
-                ("prefix_cache_disk_hits_total", "counter", "Cached prefixes read back from the prompt cache directory.",
-                 self.prefix_cache_disk_hits),
-                ("prefix_cache_too_large_total", "counter", "Snapshots larger than the in-memory budget (on disk only, if any).",
-                 self.prefix_cache_too_large),
-                ("prompt_cache_disk_bytes", "gauge", "Bytes in the prompt cache directory (all processes).", self.prompt_cache_disk_bytes),
-                ("prompt_cache_disk_entries", "gauge", "Snapshots of this model pair in the prompt cache directory.",
-                 self.prompt_cache_disk_entries),
+                (
+                    "prefix_cache_misses_total",
+                    "counter",
+                    "Prompts that found no cached prefix.",
+                    self.prefix_cache_misses,
+                ),
+                (
+                    "prefix_cache_disk_hits_total",
+                    "counter",
+                    "Cached prefixes read back from the prompt cache directory.",
+                    self.prefix_cache_disk_hits,
+                ),
+                (
+                    "prefix_cache_too_large_total",
+                    "counter",
+                    "Snapshots larger than the in-memory budget (on disk only, if any).",
+                    self.prefix_cache_too_large,
+                ),
+                (
+                    "prompt_cache_disk_bytes",
+                    "gauge",
+                    "Bytes in the prompt cache directory (all processes).",
+                    self.prompt_cache_disk_bytes,
+                ),
+                (
+                    "prompt_cache_disk_entries",
+                    "gauge",
+                    "Snapshots of this model pair in the prompt cache directory.",
+                    self.prompt_cache_disk_entries,
+                ),
                 ("uptime_seconds", "gauge", "Seconds since the server started.", time.time() - self.started),
             ]
             for name, kind, help_, value in scalars:

@@ -32,11 +32,15 @@ log = logging.getLogger("dflash2_mlx.server")
 
 # ---- request -> prompt + params ----------------------------------------------------------------
 
+
 def prepare_chat(req: ChatCompletionRequest, worker, default_max_tokens: int):
     """(prompt, params, tools) for a chat request; every problem a 400 naming the field."""
     refuse_legacy_functions(req)
-    max_tokens = check_max_tokens(req.max_completion_tokens, None, "max_completion_tokens") \
-        if req.max_completion_tokens is not None else check_max_tokens(req.max_tokens, default_max_tokens)
+    max_tokens = (
+        check_max_tokens(req.max_completion_tokens, None, "max_completion_tokens")
+        if req.max_completion_tokens is not None
+        else check_max_tokens(req.max_tokens, default_max_tokens)
+    )
     constraint = structured_output(
         req.response_format.model_dump(exclude_none=True) if req.response_format is not None else None,
         [t.model_dump(exclude_none=True) for t in req.tools] if req.tools else None,
@@ -46,8 +50,15 @@ def prepare_chat(req: ChatCompletionRequest, worker, default_max_tokens: int):
     top = req.top_logprobs or 0
     if top and not req.logprobs:
         raise bad_request("top_logprobs needs logprobs: true", "top_logprobs")
-    params = build_params(req, max_tokens=max_tokens, vocab_size=worker.vocab_size, defaults=worker.defaults,
-                          logprobs=bool(req.logprobs), top_logprobs=top, constraint=constraint)
+    params = build_params(
+        req,
+        max_tokens=max_tokens,
+        vocab_size=worker.vocab_size,
+        defaults=worker.defaults,
+        logprobs=bool(req.logprobs),
+        top_logprobs=top,
+        constraint=constraint,
+    )
     messages = openai_messages(req.messages)
     tools = openai_tools(req.tools, req.tool_choice)
     kwargs = template_kwargs(req.chat_template_kwargs)
@@ -57,16 +68,19 @@ def prepare_chat(req: ChatCompletionRequest, worker, default_max_tokens: int):
 def refuse_legacy_functions(req: ChatCompletionRequest) -> None:
     """The deprecated ``functions`` / ``function_call`` fields get a 400 saying what replaces them
     (answering them as ``tool_calls`` would leave a legacy client reading an empty function_call)."""
-    hint = "send tools=[{\"type\": \"function\", \"function\": {...}}] and tool_choice instead"
+    hint = 'send tools=[{"type": "function", "function": {...}}] and tool_choice instead'
     for name in ("functions", "function_call"):
         if getattr(req, name) is not None:
-            raise bad_request(f"'{name}' is the deprecated form of tools / tool_choice and is not supported: {hint}",
-                              name)
+            raise bad_request(
+                f"'{name}' is the deprecated form of tools / tool_choice and is not supported: {hint}", name
+            )
     for i, m in enumerate(req.messages):
         if m.function_call is not None:
-            raise bad_request(f"messages[{i}].function_call is the deprecated form of tool_calls and is not supported: "
-                              "send tool_calls=[{\"id\": ..., \"type\": \"function\", \"function\": {...}}]",
-                              f"messages[{i}].function_call")
+            raise bad_request(
+                f"messages[{i}].function_call is the deprecated form of tool_calls and is not supported: "
+                'send tool_calls=[{"id": ..., "type": "function", "function": {...}}]',
+                f"messages[{i}].function_call",
+            )
 
 
 def prepare_completion(req: CompletionRequest, worker, default_max_tokens: int):
@@ -81,8 +95,14 @@ def prepare_completion(req: CompletionRequest, worker, default_max_tokens: int):
     if req.logprobs is not None and not 0 <= req.logprobs <= 20:
         raise bad_request(f"logprobs must be in 0..20, got {req.logprobs}", "logprobs")
     max_tokens = check_max_tokens(req.max_tokens, default_max_tokens)
-    params = build_params(req, max_tokens=max_tokens, vocab_size=worker.vocab_size, defaults=worker.defaults,
-                          logprobs=req.logprobs is not None, top_logprobs=req.logprobs or 0)
+    params = build_params(
+        req,
+        max_tokens=max_tokens,
+        vocab_size=worker.vocab_size,
+        defaults=worker.defaults,
+        logprobs=req.logprobs is not None,
+        top_logprobs=req.logprobs or 0,
+    )
     prompt = req.prompt
     if isinstance(prompt, list):
         if not prompt:
@@ -110,6 +130,7 @@ def prepare_completion(req: CompletionRequest, worker, default_max_tokens: int):
 
 
 # ---- output ------------------------------------------------------------------------------------
+
 
 def _token_entry(acc: Accumulator, token: int, logprob: float) -> dict:
     text = acc.token_text(token)
@@ -155,8 +176,16 @@ class ChatFormatter(Formatter):
 
     def _chunk(self, delta: dict, finish=None, logprobs=None, **extra) -> bytes:
         choice = {"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
-        return sse({"id": self.id, "object": "chat.completion.chunk", "created": self.created, "model": self.model,
-                    "choices": [choice], **extra})
+        return sse(
+            {
+                "id": self.id,
+                "object": "chat.completion.chunk",
+                "created": self.created,
+                "model": self.model,
+                "choices": [choice],
+                **extra,
+            }
+        )
 
     def start(self) -> list[bytes]:
         return [self._chunk({"role": "assistant", "content": ""})]
@@ -167,8 +196,16 @@ class ChatFormatter(Formatter):
         if d.kind == "reasoning":
             return {"reasoning_content": d.text}
         call = d.tool_call
-        out = {"tool_calls": [{"index": self.tool_index, "id": call["id"], "type": "function",
-                               "function": {"name": call["name"], "arguments": call["arguments"]}}]}
+        out = {
+            "tool_calls": [
+                {
+                    "index": self.tool_index,
+                    "id": call["id"],
+                    "type": "function",
+                    "function": {"name": call["name"], "arguments": call["arguments"]},
+                }
+            ]
+        }
         self.tool_index += 1
         return out
 
@@ -187,22 +224,41 @@ class ChatFormatter(Formatter):
         spec = self.acc.speculative()
         out.append(self._chunk({}, finish=self.acc.finish_reason, speculative=spec))
         if self.include_usage:
-            out.append(sse({"id": self.id, "object": "chat.completion.chunk", "created": self.created,
-                            "model": self.model, "choices": [], "usage": self.acc.usage(), "speculative": spec}))
+            out.append(
+                sse(
+                    {
+                        "id": self.id,
+                        "object": "chat.completion.chunk",
+                        "created": self.created,
+                        "model": self.model,
+                        "choices": [],
+                        "usage": self.acc.usage(),
+                        "speculative": spec,
+                    }
+                )
+            )
         out.append(b"data: [DONE]\n\n")
         return out
 
     def body(self) -> dict:
         acc = self.acc
-        calls = [ResponseToolCall(id=c["id"], function=ResponseFunction(name=c["name"], arguments=c["arguments"]))
-                 for c in acc.tool_calls] or None
-        message = AssistantMessage(content=acc.content if (acc.content or not calls) else None,
-                                   reasoning_content=acc.reasoning or None, tool_calls=calls)
+        calls = [
+            ResponseToolCall(id=c["id"], function=ResponseFunction(name=c["name"], arguments=c["arguments"]))
+            for c in acc.tool_calls
+        ] or None
+        message = AssistantMessage(
+            content=acc.content if (acc.content or not calls) else None,
+            reasoning_content=acc.reasoning or None,
+            tool_calls=calls,
+        )
         lp = chat_logprobs(acc, list(zip(acc.tokens, acc.logprobs))) if self.want_logprobs else None
         out = ChatCompletion(
-            id=self.id, created=self.created, model=self.model,
+            id=self.id,
+            created=self.created,
+            model=self.model,
             choices=[ChatChoice(message=message, logprobs=lp, finish_reason=acc.finish_reason)],
-            usage=Usage(**acc.usage()), speculative=Speculative(**acc.speculative()),
+            usage=Usage(**acc.usage()),
+            speculative=Speculative(**acc.speculative()),
         ).model_dump(exclude_none=True)
         out["choices"][0]["message"].setdefault("content", None)
         out["choices"][0].setdefault("logprobs", None)
@@ -218,12 +274,22 @@ class CompletionFormatter(Formatter):
 
     def _chunk(self, text: str, finish=None, logprobs=None, **extra) -> bytes:
         choice = {"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish}
-        return sse({"id": self.id, "object": "text_completion", "created": self.created, "model": self.model,
-                    "choices": [choice], **extra})
+        return sse(
+            {
+                "id": self.id,
+                "object": "text_completion",
+                "created": self.created,
+                "model": self.model,
+                "choices": [choice],
+                **extra,
+            }
+        )
 
     def event(self, event, deltas: list[Delta]) -> list[bytes]:
         text = "".join(d.text for d in deltas)
-        lp = completion_logprobs(self.acc, _event_logprobs(self.acc, event), self.offset) if self.want_logprobs else None
+        lp = (
+            completion_logprobs(self.acc, _event_logprobs(self.acc, event), self.offset) if self.want_logprobs else None
+        )
         self.offset += len(text)
         return [self._chunk(text, logprobs=lp)] if text or lp else []
 
@@ -231,8 +297,19 @@ class CompletionFormatter(Formatter):
         spec = self.acc.speculative()
         out = [self._chunk("".join(d.text for d in deltas), finish=self.acc.finish_reason, speculative=spec)]
         if self.include_usage:
-            out.append(sse({"id": self.id, "object": "text_completion", "created": self.created, "model": self.model,
-                            "choices": [], "usage": self.acc.usage(), "speculative": spec}))
+            out.append(
+                sse(
+                    {
+                        "id": self.id,
+                        "object": "text_completion",
+                        "created": self.created,
+                        "model": self.model,
+                        "choices": [],
+                        "usage": self.acc.usage(),
+                        "speculative": spec,
+                    }
+                )
+            )
         out.append(b"data: [DONE]\n\n")
         return out
 
@@ -240,10 +317,12 @@ class CompletionFormatter(Formatter):
         acc = self.acc
         lp = completion_logprobs(acc, list(zip(acc.tokens, acc.logprobs)), 0) if self.want_logprobs else None
         out = Completion(
-            id=self.id, created=self.created, model=self.model,
+            id=self.id,
+            created=self.created,
+            model=self.model,
             choices=[CompletionChoice(text=acc.content, logprobs=lp, finish_reason=acc.finish_reason)],
-            usage=Usage(**acc.usage()), speculative=Speculative(**acc.speculative()),
+            usage=Usage(**acc.usage()),
+            speculative=Speculative(**acc.speculative()),
         ).model_dump(exclude_none=True)
         out["choices"][0].setdefault("logprobs", None)
         return out
-

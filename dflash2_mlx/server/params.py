@@ -53,9 +53,17 @@ def check_max_tokens(value: Optional[int], default: int, param: str = "max_token
     return value
 
 
-def build_params(req, *, max_tokens: int, vocab_size: int, defaults: dict, stop=None,
-                 logprobs: bool = False, top_logprobs: int = 0,
-                 constraint: Optional[OutputConstraint] = None) -> GenParams:
+def build_params(
+    req,
+    *,
+    max_tokens: int,
+    vocab_size: int,
+    defaults: dict,
+    stop=None,
+    logprobs: bool = False,
+    top_logprobs: int = 0,
+    constraint: Optional[OutputConstraint] = None,
+) -> GenParams:
     """Check the sampling fields shared by all routes (``req`` has temperature, top_p, ... attributes)."""
     from dflash2_mlx.decoding.sampling import SamplingSettings
 
@@ -80,11 +88,20 @@ def build_params(req, *, max_tokens: int, vocab_size: int, defaults: dict, stop=
     if not 0 <= top_logprobs <= MAX_TOP_LOGPROBS:
         raise bad_request(f"top_logprobs must be in 0..{MAX_TOP_LOGPROBS}, got {top_logprobs}", "top_logprobs")
     return GenParams(
-        max_tokens=max_tokens, temperature=float(temperature), top_p=float(top_p), top_k=int(top_k),
-        min_p=float(min_p), seed=None if seed is None else seed % 2**64, stop=stops,
-        presence_penalty=getattr(req, "presence_penalty", None), frequency_penalty=getattr(req, "frequency_penalty", None),
-        repetition_penalty=getattr(req, "repetition_penalty", None), logit_bias=bias,
-        logprobs=logprobs or top_logprobs > 0, top_logprobs=top_logprobs, constraint=constraint,
+        max_tokens=max_tokens,
+        temperature=float(temperature),
+        top_p=float(top_p),
+        top_k=int(top_k),
+        min_p=float(min_p),
+        seed=None if seed is None else seed % 2**64,
+        stop=stops,
+        presence_penalty=getattr(req, "presence_penalty", None),
+        frequency_penalty=getattr(req, "frequency_penalty", None),
+        repetition_penalty=getattr(req, "repetition_penalty", None),
+        logit_bias=bias,
+        logprobs=logprobs or top_logprobs > 0,
+        top_logprobs=top_logprobs,
+        constraint=constraint,
     )
 
 
@@ -116,15 +133,18 @@ def _logit_bias(bias, vocab_size: int) -> dict[int, float]:
         except ValueError:
             raise bad_request(f"logit_bias keys must be token ids, got {key!r}", "logit_bias") from None
         if not 0 <= token < vocab_size:
-            raise bad_request(f"logit_bias token id {token} is outside the vocabulary (0..{vocab_size - 1})", "logit_bias")
+            raise bad_request(
+                f"logit_bias token id {token} is outside the vocabulary (0..{vocab_size - 1})", "logit_bias"
+            )
         if not -100 <= value <= 100:
             raise bad_request(f"logit_bias values must be in [-100, 100], got {value}", "logit_bias")
         out[token] = float(value)
     return out
 
 
-def to_settings(p: GenParams, tokenizer, cancel: threading.Event, prompt: Sequence[int] = (),
-                block_size: Optional[int] = None):
+def to_settings(
+    p: GenParams, tokenizer, cancel: threading.Event, prompt: Sequence[int] = (), block_size: Optional[int] = None
+):
     """The engine settings for one request (worker thread only: makes MLX arrays). ``prompt``
     tells whether the answer starts inside a reasoning block (the constraint then starts after it);
     ``block_size``: the server's ``--block-size`` (None: the break-even controller)."""
@@ -133,12 +153,14 @@ def to_settings(p: GenParams, tokenizer, cancel: threading.Event, prompt: Sequen
     from dflash2_mlx.decoding.sampling import SamplingSettings
     from dflash2_mlx.engine import GenerationSettings
 
-    processors = list(make_logits_processors(
-        logit_bias=p.logit_bias or None,
-        repetition_penalty=p.repetition_penalty,
-        presence_penalty=p.presence_penalty,
-        frequency_penalty=p.frequency_penalty,
-    ))
+    processors = list(
+        make_logits_processors(
+            logit_bias=p.logit_bias or None,
+            repetition_penalty=p.repetition_penalty,
+            presence_penalty=p.presence_penalty,
+            frequency_penalty=p.frequency_penalty,
+        )
+    )
     stop_ids = sorted(tokenizer.eos_token_ids)
     return GenerationSettings(
         max_tokens=p.max_tokens,

@@ -32,8 +32,17 @@ NO_OP_VALUES = {
     "prompt_cache_retention": ("in_memory",),
 }
 # dflash2-mlx extensions, passed to the chat request as they are (the chat route checks them).
-EXTENSIONS = ("seed", "top_k", "min_p", "logit_bias", "presence_penalty", "frequency_penalty",
-              "repetition_penalty", "stop", "chat_template_kwargs")
+EXTENSIONS = (
+    "seed",
+    "top_k",
+    "min_p",
+    "logit_bias",
+    "presence_penalty",
+    "frequency_penalty",
+    "repetition_penalty",
+    "stop",
+    "chat_template_kwargs",
+)
 INCLUDABLE = {"reasoning.encrypted_content", "message.output_text.logprobs"}
 LOGPROBS = "message.output_text.logprobs"
 TEXT_PARTS = ("input_text", "output_text", "text", "summary_text", "reasoning_text")
@@ -80,6 +89,7 @@ class Turn:
 
 # ---- request -> chat request -------------------------------------------------------------------
 
+
 def check_fields(req: ResponsesRequest) -> None:
     """A 400 naming the first field set to something this server does not do."""
     extra = dict(req.model_extra or {})
@@ -91,8 +101,11 @@ def check_fields(req: ResponsesRequest) -> None:
                 continue
             allowed = " or ".join(json.dumps(v) for v in NO_OP_VALUES[name])
             raise bad_request(f"{name}={json.dumps(value)[:80]} is not supported by this server (only {allowed})", name)
-        raise bad_request(f"the field '{name}' is not supported by this server's /v1/responses; remove it "
-                          "(docs/server.md lists the supported fields)", name)
+        raise bad_request(
+            f"the field '{name}' is not supported by this server's /v1/responses; remove it "
+            "(docs/server.md lists the supported fields)",
+            name,
+        )
     for name in req.include or []:
         if name not in INCLUDABLE:
             raise bad_request(f"include '{name}' is not supported (supported: {sorted(INCLUDABLE)})", "include")
@@ -114,10 +127,13 @@ def translate(req: ResponsesRequest, store: ResponseStore) -> Turn:
         except ChainBroken as e:
             missing = e.args[0]
             which = "is" if missing == req.previous_response_id else f"continues '{missing}', which is"
-            raise bad_request(f"previous response '{req.previous_response_id[:100]}' {which} not stored here "
-                              "(responses are kept in memory, bounded, until the server restarts; store: false "
-                              "responses are never kept): send the whole conversation as input instead",
-                              "previous_response_id", code="previous_response_not_found") from None
+            raise bad_request(
+                f"previous response '{req.previous_response_id[:100]}' {which} not stored here "
+                "(responses are kept in memory, bounded, until the server restarts; store: false "
+                "responses are never kept): send the whole conversation as input instead",
+                "previous_response_id",
+                code="previous_response_not_found",
+            ) from None
     items = [{"role": "user", "content": req.input, "type": "message"}] if isinstance(req.input, str) else req.input
     if isinstance(req.input, str) and not req.input:
         raise bad_request("input is empty", "input")
@@ -154,8 +170,9 @@ def _tools(req: ResponsesRequest, turn: Turn) -> None:
     for i, tool in enumerate(req.tools or []):
         kind = tool.get("type")
         if kind != "function":
-            raise bad_request(f"tools[{i}] has type {json.dumps(kind)[:40]}: this server runs function tools only",
-                              f"tools[{i}].type")
+            raise bad_request(
+                f"tools[{i}] has type {json.dumps(kind)[:40]}: this server runs function tools only", f"tools[{i}].type"
+            )
         name = tool.get("name")
         if not isinstance(name, str) or not name:
             raise bad_request(f"tools[{i}] (function) needs a 'name'", f"tools[{i}].name")
@@ -164,8 +181,15 @@ def _tools(req: ResponsesRequest, turn: Turn) -> None:
             raise bad_request(f"tools[{i}].{unknown[0]} is not supported", f"tools[{i}].{unknown[0]}")
         function = {k: tool[k] for k in ("name", "description", "parameters", "strict") if tool.get(k) is not None}
         chat_tools.append({"type": "function", "function": function})
-        turn.tools.append({"type": "function", "name": name, "description": tool.get("description"),
-                           "parameters": tool.get("parameters"), "strict": tool.get("strict")})
+        turn.tools.append(
+            {
+                "type": "function",
+                "name": name,
+                "description": tool.get("description"),
+                "parameters": tool.get("parameters"),
+                "strict": tool.get("strict"),
+            }
+        )
     if chat_tools:
         turn.chat["tools"] = chat_tools
     choice = req.tool_choice
@@ -173,14 +197,18 @@ def _tools(req: ResponsesRequest, turn: Turn) -> None:
         return
     if isinstance(choice, str):
         if choice not in ("none", "auto", "required"):
-            raise bad_request(f"tool_choice must be 'none', 'auto', 'required' or a function, got {choice[:40]!r}",
-                              "tool_choice")
+            raise bad_request(
+                f"tool_choice must be 'none', 'auto', 'required' or a function, got {choice[:40]!r}", "tool_choice"
+            )
         turn.chat["tool_choice"] = choice
     elif choice.get("type") == "function" and isinstance(choice.get("name"), str):
         turn.chat["tool_choice"] = {"type": "function", "function": {"name": choice["name"]}}
     else:
-        raise bad_request(f"tool_choice {json.dumps(choice)[:80]} is not supported: use 'none', 'auto', 'required' "
-                          "or {\"type\": \"function\", \"name\": ...}", "tool_choice")
+        raise bad_request(
+            f"tool_choice {json.dumps(choice)[:80]} is not supported: use 'none', 'auto', 'required' "
+            'or {"type": "function", "name": ...}',
+            "tool_choice",
+        )
 
 
 def _text_format(req: ResponsesRequest, turn: Turn) -> None:
@@ -210,8 +238,9 @@ def _reasoning(req: ResponsesRequest, turn: Turn) -> None:
     reasoning = req.reasoning or {}
     effort = reasoning.get("effort")
     if effort is not None and effort not in ("none", "minimal", "low", "medium", "high", "xhigh"):
-        raise bad_request(f"reasoning.effort {effort!r} is not one of none, minimal, low, medium, high, xhigh",
-                          "reasoning.effort")
+        raise bad_request(
+            f"reasoning.effort {effort!r} is not one of none, minimal, low, medium, high, xhigh", "reasoning.effort"
+        )
     if effort in ("none", "minimal"):  # the model thinks or it does not: no budget in between
         kwargs = dict(turn.chat.get("chat_template_kwargs") or {})
         kwargs.setdefault("enable_thinking", False)
@@ -244,8 +273,9 @@ def to_messages(items: list, param: str) -> list[dict]:
         if kind == "message":
             role = item.get("role")
             if role not in ("user", "system", "developer", "assistant"):
-                raise bad_request(f"{where}.role must be user, system, developer or assistant, got {role!r}",
-                                  f"{where}.role")
+                raise bad_request(
+                    f"{where}.role must be user, system, developer or assistant, got {role!r}", f"{where}.role"
+                )
             text = _text(item.get("content"), f"{where}.content")
             if role == "assistant":
                 turn = open_assistant()
@@ -258,22 +288,34 @@ def to_messages(items: list, param: str) -> list[dict]:
                 if not isinstance(item.get(key), str):
                     raise bad_request(f"{where} (function_call) needs a string '{key}'", f"{where}.{key}")
             open_assistant().setdefault("tool_calls", []).append(
-                {"id": item["call_id"], "type": "function",
-                 "function": {"name": item["name"], "arguments": item["arguments"]}})
+                {
+                    "id": item["call_id"],
+                    "type": "function",
+                    "function": {"name": item["name"], "arguments": item["arguments"]},
+                }
+            )
         elif kind == "function_call_output":
             if not isinstance(item.get("call_id"), str):
                 raise bad_request(f"{where} (function_call_output) needs a string 'call_id'", f"{where}.call_id")
             assistant = None
-            messages.append({"role": "tool", "tool_call_id": item["call_id"],
-                             "content": _text(item.get("output"), f"{where}.output")})
+            messages.append(
+                {
+                    "role": "tool",
+                    "tool_call_id": item["call_id"],
+                    "content": _text(item.get("output"), f"{where}.output"),
+                }
+            )
         elif kind == "reasoning":
             parts = item.get("content") or item.get("summary") or []
             text = _text(parts, f"{where}.content") if parts else (item.get("encrypted_content") or "")
             turn = open_assistant()
             turn["reasoning_content"] = turn.get("reasoning_content", "") + text
         else:
-            raise bad_request(f"{where} has type {json.dumps(kind)[:40]}: this server takes message, function_call, "
-                              "function_call_output and reasoning items", f"{where}.type")
+            raise bad_request(
+                f"{where} has type {json.dumps(kind)[:40]}: this server takes message, function_call, "
+                "function_call_output and reasoning items",
+                f"{where}.type",
+            )
     return messages
 
 
@@ -294,13 +336,20 @@ def _text(content, param: str) -> str:
         elif kind in TEXT_PARTS:
             raise bad_request(f"{param}[{j}] is a text part without 'text'", f"{param}[{j}].text")
         else:
-            raise bad_request(f"{param}[{j}] has type {json.dumps(kind)[:40]}: this server takes text only "
-                              "(no images, audio or files)", f"{param}[{j}].type")
+            raise bad_request(
+                f"{param}[{j}] has type {json.dumps(kind)[:40]}: this server takes text only "
+                "(no images, audio or files)",
+                f"{param}[{j}].type",
+            )
     return "".join(pieces)
 
 
-CHAT_TO_RESPONSES = (("max_completion_tokens", "max_output_tokens"), ("response_format.json_schema", "text.format"),
-                     ("response_format", "text.format"), ("messages", "input"))
+CHAT_TO_RESPONSES = (
+    ("max_completion_tokens", "max_output_tokens"),
+    ("response_format.json_schema", "text.format"),
+    ("response_format", "text.format"),
+    ("messages", "input"),
+)
 
 
 def renamed(err: APIError) -> APIError:
@@ -310,11 +359,12 @@ def renamed(err: APIError) -> APIError:
         if err.code != "context_length_exceeded":
             err.message = err.message.replace(chat_name, name)
         if err.param and err.param.startswith(chat_name):
-            err.param = name + err.param[len(chat_name):]
+            err.param = name + err.param[len(chat_name) :]
     return err
 
 
 # ---- output ------------------------------------------------------------------------------------
+
 
 def _new_id(prefix: str) -> str:
     return f"{prefix}_{uuid.uuid4().hex}"
@@ -323,8 +373,14 @@ def _new_id(prefix: str) -> str:
 class ResponsesFormatter(Formatter):
     """A job's output as a Response object, or as the Responses stream events."""
 
-    def __init__(self, acc: Accumulator, req: ResponsesRequest, turn: Turn, max_output_tokens: int,
-                 store: Optional[ResponseStore]):
+    def __init__(
+        self,
+        acc: Accumulator,
+        req: ResponsesRequest,
+        turn: Turn,
+        max_output_tokens: int,
+        store: Optional[ResponseStore],
+    ):
         self.acc, self.req, self.turn, self.store = acc, req, turn, store
         self.max_output_tokens = max_output_tokens
         self.id = _new_id("resp")
@@ -339,17 +395,34 @@ class ResponsesFormatter(Formatter):
     def response(self, status: str, error: Optional[dict] = None) -> dict:
         req, acc = self.req, self.acc
         out = {
-            "id": self.id, "object": "response", "created_at": self.created, "status": status,
-            "background": False, "error": error, "incomplete_details": None,
-            "instructions": req.instructions, "max_output_tokens": req.max_output_tokens or self.max_output_tokens,
-            "metadata": req.metadata or {}, "model": req.model, "output": list(self.output),
+            "id": self.id,
+            "object": "response",
+            "created_at": self.created,
+            "status": status,
+            "background": False,
+            "error": error,
+            "incomplete_details": None,
+            "instructions": req.instructions,
+            "max_output_tokens": req.max_output_tokens or self.max_output_tokens,
+            "metadata": req.metadata or {},
+            "model": req.model,
+            "output": list(self.output),
             "parallel_tool_calls": req.parallel_tool_calls is not False,
             "previous_response_id": req.previous_response_id,
-            "reasoning": {"effort": (req.reasoning or {}).get("effort"), "summary": (req.reasoning or {}).get("summary")},
-            "service_tier": "default", "store": self.store is not None,
-            "temperature": req.temperature, "text": {"format": self.turn.text_format, "verbosity": "medium"},
-            "tool_choice": req.tool_choice or "auto", "tools": self.turn.tools, "top_p": req.top_p,
-            "truncation": "disabled", "usage": None, "user": req.user,
+            "reasoning": {
+                "effort": (req.reasoning or {}).get("effort"),
+                "summary": (req.reasoning or {}).get("summary"),
+            },
+            "service_tier": "default",
+            "store": self.store is not None,
+            "temperature": req.temperature,
+            "text": {"format": self.turn.text_format, "verbosity": "medium"},
+            "tool_choice": req.tool_choice or "auto",
+            "tools": self.turn.tools,
+            "top_p": req.top_p,
+            "truncation": "disabled",
+            "usage": None,
+            "user": req.user,
         }
         if status in ("completed", "incomplete"):
             out["completed_at"] = int(time.time())
@@ -361,13 +434,19 @@ class ResponsesFormatter(Formatter):
 
     def usage(self) -> dict:
         u = self.acc.usage()
-        reasoning = len(self.acc.tokenizer.encode(self.acc.reasoning, add_special_tokens=False)) if self.acc.reasoning else 0
-        return {"input_tokens": u["prompt_tokens"],
-                "input_tokens_details": {"cached_tokens": u["prompt_tokens_details"]["cached_tokens"],
-                                         "cache_write_tokens": 0},
-                "output_tokens": u["completion_tokens"],
-                "output_tokens_details": {"reasoning_tokens": min(reasoning, u["completion_tokens"])},
-                "total_tokens": u["total_tokens"]}
+        reasoning = (
+            len(self.acc.tokenizer.encode(self.acc.reasoning, add_special_tokens=False)) if self.acc.reasoning else 0
+        )
+        return {
+            "input_tokens": u["prompt_tokens"],
+            "input_tokens_details": {
+                "cached_tokens": u["prompt_tokens_details"]["cached_tokens"],
+                "cache_write_tokens": 0,
+            },
+            "output_tokens": u["completion_tokens"],
+            "output_tokens_details": {"reasoning_tokens": min(reasoning, u["completion_tokens"])},
+            "total_tokens": u["total_tokens"],
+        }
 
     def _status(self) -> str:
         return "incomplete" if self.acc.finish_reason == "length" else "completed"
@@ -394,7 +473,13 @@ class ResponsesFormatter(Formatter):
         out = self._close_item("completed")
         index = len(self.output)
         if item_type == "message":
-            item = {"id": _new_id("msg"), "type": "message", "role": "assistant", "status": "in_progress", "content": []}
+            item = {
+                "id": _new_id("msg"),
+                "type": "message",
+                "role": "assistant",
+                "status": "in_progress",
+                "content": [],
+            }
         else:
             item = {"id": _new_id("rs"), "type": "reasoning", "summary": [], "status": "in_progress"}
         self.output.append(item)
@@ -402,11 +487,21 @@ class ResponsesFormatter(Formatter):
         part = self._part(item_type, "")
         out.append(self._event("response.output_item.added", output_index=index, item=dict(item)))
         if item_type == "reasoning" and self.turn.summary:
-            out.append(self._event("response.reasoning_summary_part.added", item_id=item["id"], output_index=index,
-                                   summary_index=0, part=part))
+            out.append(
+                self._event(
+                    "response.reasoning_summary_part.added",
+                    item_id=item["id"],
+                    output_index=index,
+                    summary_index=0,
+                    part=part,
+                )
+            )
         else:
-            out.append(self._event("response.content_part.added", item_id=item["id"], output_index=index,
-                                   content_index=0, part=part))
+            out.append(
+                self._event(
+                    "response.content_part.added", item_id=item["id"], output_index=index, content_index=0, part=part
+                )
+            )
         return out
 
     def _part(self, item_type: str, text: str, logprobs: Optional[list] = None) -> dict:
@@ -421,13 +516,25 @@ class ResponsesFormatter(Formatter):
         self.open["text"] += text
         if item["type"] == "message":
             self.open["logprobs"] += logprobs or []
-            return self._event("response.output_text.delta", item_id=item["id"], output_index=index, content_index=0,
-                               delta=text, logprobs=logprobs or [])
+            return self._event(
+                "response.output_text.delta",
+                item_id=item["id"],
+                output_index=index,
+                content_index=0,
+                delta=text,
+                logprobs=logprobs or [],
+            )
         if self.turn.summary:
-            return self._event("response.reasoning_summary_text.delta", item_id=item["id"], output_index=index,
-                               summary_index=0, delta=text)
-        return self._event("response.reasoning_text.delta", item_id=item["id"], output_index=index, content_index=0,
-                           delta=text)
+            return self._event(
+                "response.reasoning_summary_text.delta",
+                item_id=item["id"],
+                output_index=index,
+                summary_index=0,
+                delta=text,
+            )
+        return self._event(
+            "response.reasoning_text.delta", item_id=item["id"], output_index=index, content_index=0, delta=text
+        )
 
     def _close_item(self, status: str) -> list[bytes]:
         if self.open is None:
@@ -439,16 +546,22 @@ class ResponsesFormatter(Formatter):
         item["status"] = status
         if item["type"] == "message":
             item["content"] = [part]
-            out = [self._event("response.output_text.done", **ids, content_index=0, text=text, logprobs=logprobs),
-                   self._event("response.content_part.done", **ids, content_index=0, part=part)]
+            out = [
+                self._event("response.output_text.done", **ids, content_index=0, text=text, logprobs=logprobs),
+                self._event("response.content_part.done", **ids, content_index=0, part=part),
+            ]
         elif self.turn.summary:
             item["summary"] = [part]
-            out = [self._event("response.reasoning_summary_text.done", **ids, summary_index=0, text=text),
-                   self._event("response.reasoning_summary_part.done", **ids, summary_index=0, part=part)]
+            out = [
+                self._event("response.reasoning_summary_text.done", **ids, summary_index=0, text=text),
+                self._event("response.reasoning_summary_part.done", **ids, summary_index=0, part=part),
+            ]
         else:
             item["content"] = [part]
-            out = [self._event("response.reasoning_text.done", **ids, content_index=0, text=text),
-                   self._event("response.content_part.done", **ids, content_index=0, part=part)]
+            out = [
+                self._event("response.reasoning_text.done", **ids, content_index=0, text=text),
+                self._event("response.content_part.done", **ids, content_index=0, part=part),
+            ]
         if item["type"] == "reasoning" and self.turn.encrypted_reasoning:
             item["encrypted_content"] = text  # not encrypted: this server keeps nothing secret from its client
         out.append(self._event("response.output_item.done", output_index=index, item=dict(item)))
@@ -457,14 +570,21 @@ class ResponsesFormatter(Formatter):
     def _function_call(self, call: dict) -> list[bytes]:
         out = self._close_item("completed")
         index = len(self.output)
-        item = {"id": _new_id("fc"), "type": "function_call", "call_id": call["id"], "name": call["name"],
-                "arguments": "", "status": "in_progress"}
+        item = {
+            "id": _new_id("fc"),
+            "type": "function_call",
+            "call_id": call["id"],
+            "name": call["name"],
+            "arguments": "",
+            "status": "in_progress",
+        }
         self.output.append(item)
         ids = {"item_id": item["id"], "output_index": index}
         out.append(self._event("response.output_item.added", output_index=index, item=dict(item)))
         out.append(self._event("response.function_call_arguments.delta", **ids, delta=call["arguments"]))
-        out.append(self._event("response.function_call_arguments.done", **ids, arguments=call["arguments"],
-                               name=call["name"]))
+        out.append(
+            self._event("response.function_call_arguments.done", **ids, arguments=call["arguments"], name=call["name"])
+        )
         item.update(arguments=call["arguments"], status="completed" if call.get("complete", True) else "incomplete")
         out.append(self._event("response.output_item.done", output_index=index, item=dict(item)))
         return out
@@ -491,8 +611,10 @@ class ResponsesFormatter(Formatter):
 
     def start(self) -> list[bytes]:
         skeleton = self.response("in_progress")
-        return [self._event("response.created", response=skeleton),
-                self._event("response.in_progress", response=skeleton)]
+        return [
+            self._event("response.created", response=skeleton),
+            self._event("response.in_progress", response=skeleton),
+        ]
 
     def event(self, event, deltas: list[Delta]) -> list[bytes]:
         return self._stream(deltas, self._logprobs(event.tokens, getattr(event, "logprobs", None) or []))
@@ -507,8 +629,10 @@ class ResponsesFormatter(Formatter):
 
     def error(self, err: APIError) -> list[bytes]:
         failed = self.response("failed", error={"code": err.code or "server_error", "message": err.message})
-        return [self._event("error", code=err.code, message=err.message, param=err.param),
-                self._event("response.failed", response=failed)]
+        return [
+            self._event("error", code=err.code, message=err.message, param=err.param),
+            self._event("response.failed", response=failed),
+        ]
 
     # ---- complete ------------------------------------------------------------------------------
 

@@ -25,6 +25,7 @@ class _Out(BaseModel):
 
 # ---- OpenAI requests ---------------------------------------------------------------------------
 
+
 class ContentPart(_Strict):
     type: str
     text: Optional[str] = None
@@ -127,6 +128,7 @@ class CompletionRequest(_Sampling):
 
 # ---- Anthropic requests ------------------------------------------------------------------------
 
+
 class AnthropicBlock(_Strict):
     """One content block; which fields matter depends on ``type``."""
 
@@ -185,6 +187,7 @@ class MessagesRequest(_Strict):
 
 
 # ---- responses ---------------------------------------------------------------------------------
+
 
 class Speculative(_Out):
     acceptance_length: float

@@ -101,7 +101,14 @@ class StallTrace:
         self.slowest = max(self.slowest, seconds)
         if seconds >= self.threshold:
             self.slow_turns += 1
-            log.warning("stall: a scheduler turn took %.3f s (CPU: worker thread %.3f s, process %.3f s): %s; "
-                        "garbage collector %.3f s in %d passes", seconds, cpu, process_cpu,
-                        "; ".join(what) or "nothing", self._gc_seconds, self._gc_passes)
+            log.warning(
+                "stall: a scheduler turn took %.3f s (CPU: worker thread %.3f s, process %.3f s): %s; "
+                "garbage collector %.3f s in %d passes",
+                seconds,
+                cpu,
+                process_cpu,
+                "; ".join(what) or "nothing",
+                self._gc_seconds,
+                self._gc_passes,
+            )
         return seconds

@@ -30,8 +30,14 @@ KEEPALIVE_SECONDS = 10.0
 class Accumulator:
     """The output of one job so far: tokens, raw text, parsed deltas, logprobs and statistics."""
 
-    def __init__(self, tokenizer, prompt_tokens: int, parser: Optional[OutputParser] = None,
-                 stops: tuple = (), top_logprobs: int = 0):
+    def __init__(
+        self,
+        tokenizer,
+        prompt_tokens: int,
+        parser: Optional[OutputParser] = None,
+        stops: tuple = (),
+        top_logprobs: int = 0,
+    ):
         self.tokenizer, self.parser = tokenizer, parser
         self.prompt_tokens = prompt_tokens
         self.stops = stops
@@ -102,7 +108,7 @@ class Accumulator:
             full = self.tokenizer.decode(self.tokens)
         except Exception:
             return self.stops[0]
-        rest = full[len(self.text):] if full.startswith(self.text) else full
+        rest = full[len(self.text) :] if full.startswith(self.text) else full
         hits = [(rest.find(s), s) for s in self.stops if s and rest.find(s) >= 0]
         return min(hits)[1] if hits else self.stops[0]
 
@@ -110,15 +116,23 @@ class Accumulator:
         s = self.stats
         if s is None:
             return {"acceptance_length": 1.0, "verify_steps": 0, "draft_tokens": 0, "accepted_tokens": 0}
-        return {"acceptance_length": round(float(s.acceptance_length), 4), "verify_steps": s.verify_steps,
-                "draft_tokens": s.drafted_tokens, "accepted_tokens": s.accepted_tokens,
-                "controller": getattr(s, "controller", None)}
+        return {
+            "acceptance_length": round(float(s.acceptance_length), 4),
+            "verify_steps": s.verify_steps,
+            "draft_tokens": s.drafted_tokens,
+            "accepted_tokens": s.accepted_tokens,
+            "controller": getattr(s, "controller", None),
+        }
 
     def usage(self) -> dict:
         completion = self.stats.generation_tokens if self.stats is not None else len(self.tokens)
         cached = (getattr(self.stats, "cached_tokens", 0) or 0) if self.stats is not None else 0
-        return {"prompt_tokens": self.prompt_tokens, "completion_tokens": completion,
-                "total_tokens": self.prompt_tokens + completion, "prompt_tokens_details": {"cached_tokens": cached}}
+        return {
+            "prompt_tokens": self.prompt_tokens,
+            "completion_tokens": completion,
+            "total_tokens": self.prompt_tokens + completion,
+            "prompt_tokens_details": {"cached_tokens": cached},
+        }
 
     def token_text(self, token: int) -> str:
         return self.tokenizer.decode([token])
@@ -139,8 +153,10 @@ class Formatter(abc.ABC):
         return []
 
     def error(self, err: APIError) -> list[bytes]:
-        return [sse({"error": {"message": err.message, "type": err.type, "param": err.param, "code": err.code}}),
-                b"data: [DONE]\n\n"]
+        return [
+            sse({"error": {"message": err.message, "type": err.type, "param": err.param, "code": err.code}}),
+            b"data: [DONE]\n\n",
+        ]
 
     @abc.abstractmethod
     def body(self) -> dict:
@@ -205,8 +221,12 @@ class JobResponse(Response):
                 if self.worker.withdraw(self.job):
                     self.job.why_cancelled = "timeout"
                     self.job.queue.put_nowait(("end", None))
-                    return "error", APIError(503, "the request timed out while waiting in the queue; retry later",
-                                             code="queue_timeout", headers={"Retry-After": "10"})
+                    return "error", APIError(
+                        503,
+                        "the request timed out while waiting in the queue; retry later",
+                        code="queue_timeout",
+                        headers={"Retry-After": "10"},
+                    )
                 self.job.stop("timeout")
             wait = KEEPALIVE_SECONDS if self.timed_out else min(KEEPALIVE_SECONDS, max(0.01, self.job.deadline - now))
             try:
@@ -278,8 +298,11 @@ class JobResponse(Response):
             break  # "start"
         if self.disconnected:
             return
-        headers = [(b"content-type", b"text/event-stream; charset=utf-8"), (b"cache-control", b"no-cache"),
-                   (b"x-accel-buffering", b"no")]
+        headers = [
+            (b"content-type", b"text/event-stream; charset=utf-8"),
+            (b"cache-control", b"no-cache"),
+            (b"x-accel-buffering", b"no"),
+        ]
         if not await self._send(send, {"type": "http.response.start", "status": 200, "headers": headers}):
             return
         self.started_stream = True

@@ -80,12 +80,13 @@ class OutputConstraint:
 
 # ---- response_format / text.format ------------------------------------------------------------
 
+
 def response_format_constraint(fmt: Optional[dict], param: str = "response_format") -> Optional[OutputConstraint]:
     """An OpenAI ``response_format`` or Responses ``text.format`` dict -> constraint (None: plain text)."""
     if fmt is None:
         return None
     if not isinstance(fmt, dict):
-        raise bad_request(f"{param} must be an object like {{\"type\": \"json_schema\", ...}}", param)
+        raise bad_request(f'{param} must be an object like {{"type": "json_schema", ...}}', param)
     kind = fmt.get("type")
     if kind in (None, "text"):
         return None
@@ -117,10 +118,13 @@ def check_schema(schema: Any, param: str, strict: bool = False) -> None:
     try:
         json_schema_rules(schema, strict)
     except GrammarError as e:
-        raise bad_request(f"{param}: {e}", param, code="unsupported_schema" if e.keyword else "invalid_schema") from None
+        raise bad_request(
+            f"{param}: {e}", param, code="unsupported_schema" if e.keyword else "invalid_schema"
+        ) from None
 
 
 # ---- tool_choice ------------------------------------------------------------------------------
+
 
 def _tool_fields(tool: Any, i: int, param: str) -> tuple[str, dict]:
     if not isinstance(tool, dict):
@@ -133,8 +137,13 @@ def _tool_fields(tool: Any, i: int, param: str) -> tuple[str, dict]:
     return name, parameters
 
 
-def tool_choice_constraint(tools: Optional[list], tool_choice: Any, parallel_tool_calls: Optional[bool] = None,
-                           param: str = "tool_choice", tools_param: str = "tools") -> Optional[OutputConstraint]:
+def tool_choice_constraint(
+    tools: Optional[list],
+    tool_choice: Any,
+    parallel_tool_calls: Optional[bool] = None,
+    param: str = "tool_choice",
+    tools_param: str = "tools",
+) -> Optional[OutputConstraint]:
     """Forced tool calls for ``tool_choice`` "required" or a named function (None: nothing forced)."""
     if tool_choice in (None, "auto", "none"):
         return None
@@ -175,9 +184,15 @@ def anthropic_tool_choice_constraint(tools: Optional[list], tool_choice: Any) ->
     return None
 
 
-def structured_output(response_format: Optional[dict] = None, tools: Optional[list] = None, tool_choice: Any = None,
-                      parallel_tool_calls: Optional[bool] = None, *, format_param: str = "response_format",
-                      tool_choice_param: str = "tool_choice") -> Optional[OutputConstraint]:
+def structured_output(
+    response_format: Optional[dict] = None,
+    tools: Optional[list] = None,
+    tool_choice: Any = None,
+    parallel_tool_calls: Optional[bool] = None,
+    *,
+    format_param: str = "response_format",
+    tool_choice_param: str = "tool_choice",
+) -> Optional[OutputConstraint]:
     """The request's one constraint: forced tool calls if any, else the response format's."""
     fmt = response_format_constraint(response_format, format_param)
     forced = tool_choice_constraint(tools, tool_choice, parallel_tool_calls, tool_choice_param)
@@ -185,6 +200,7 @@ def structured_output(response_format: Optional[dict] = None, tools: Optional[li
 
 
 # ---- the tool-call grammar --------------------------------------------------------------------
+
 
 def tool_call_markers(tokenizer) -> tuple[str, str]:
     """The model's tool-call start/end markers when it writes JSON tool calls, else Qwen's."""
@@ -212,11 +228,20 @@ def tool_call_rules(constraint: OutputConstraint, tokenizer) -> str:
     from dflash2_mlx.server.argument_bounds import bounded_numbers
 
     start, end = tool_call_markers(tokenizer)
-    calls = [{"type": "object", "properties": {"name": {"const": t.name}, "arguments": bounded_numbers(t.parameters)},
-              "required": ["name", "arguments"], "additionalProperties": False} for t in constraint.tools]
+    calls = [
+        {
+            "type": "object",
+            "properties": {"name": {"const": t.name}, "arguments": bounded_numbers(t.parameters)},
+            "required": ["name", "arguments"],
+            "additionalProperties": False,
+        }
+        for t in constraint.tools
+    ]
     schema = calls[0] if len(calls) == 1 else {"anyOf": calls}
     schema = {**schema, "x-guidance": JSON_OPTIONS}
     many = ' ("\\n" call)*' if constraint.parallel else ""
-    return (f"answer: call{many}\n"
-            f"call: {_lark_literal(start, tokenizer)} \"\\n\" body \"\\n\" {_lark_literal(end, tokenizer)}\n"
-            f"body: %json {json.dumps(schema)}\n")
+    return (
+        f"answer: call{many}\n"
+        f'call: {_lark_literal(start, tokenizer)} "\\n" body "\\n" {_lark_literal(end, tokenizer)}\n'
+        f"body: %json {json.dumps(schema)}\n"
+    )

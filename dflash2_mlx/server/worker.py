@@ -138,13 +138,21 @@ class Worker:
     def submit(self, job: Job) -> None:
         with self._cond:
             if self.state == "loading":
-                raise APIError(503, "the model is still loading; retry in a few seconds", code="model_loading",
-                               headers={"Retry-After": "5"})
+                raise APIError(
+                    503,
+                    "the model is still loading; retry in a few seconds",
+                    code="model_loading",
+                    headers={"Retry-After": "5"},
+                )
             if self.state != "ready":
                 raise APIError(503, "the server is shutting down", code="shutting_down")
             if len(self._queue) >= self.max_queue:
-                raise APIError(429, f"the request queue is full ({self.max_queue} waiting); retry later",
-                               code="queue_full", headers={"Retry-After": str(max(1, min(30, len(self._queue))))})
+                raise APIError(
+                    429,
+                    f"the request queue is full ({self.max_queue} waiting); retry later",
+                    code="queue_full",
+                    headers={"Retry-After": str(max(1, min(30, len(self._queue))))},
+                )
             self._queue.append(job)
             self._cond.notify()
 
@@ -203,8 +211,11 @@ class Worker:
             if self.state == "loading":
                 self.state = "ready"
         self.ready.set()
-        log.info("model %s ready%s", self.target.name,
-                 f" with drafter {self.drafter.path}" if self.drafter is not None else " (no drafter)")
+        log.info(
+            "model %s ready%s",
+            self.target.name,
+            f" with drafter {self.drafter.path}" if self.drafter is not None else " (no drafter)",
+        )
         while True:
             work = self._next_work()
             if work is None:
@@ -261,8 +272,14 @@ class Worker:
             from dflash2_mlx.models.loading import load_pair
 
             self.target, self.drafter = load_pair(self.model_path, self.draft_path, self.max_context_limit)
-        if self.drafter is not None and self.block_size is not None and self.block_size > self.drafter.config.block_size:
-            raise ValueError(f"--block-size must be at most {self.drafter.config.block_size} for this drafter, got {self.block_size}")
+        if (
+            self.drafter is not None
+            and self.block_size is not None
+            and self.block_size > self.drafter.config.block_size
+        ):
+            raise ValueError(
+                f"--block-size must be at most {self.drafter.config.block_size} for this drafter, got {self.block_size}"
+            )
         import mlx.core as mx
 
         from dflash2_mlx.caches.disk import open_disk_cache
@@ -280,8 +297,12 @@ class Worker:
         # vocabulary): build it in the background so the first structured request rarely waits.
         from dflash2_mlx.constraints.grammar import grammar_tokenizer
 
-        threading.Thread(target=grammar_tokenizer, args=(self.tokenizer, sorted(self.tokenizer.eos_token_ids)),
-                         name="grammar-tokenizer", daemon=True).start()
+        threading.Thread(
+            target=grammar_tokenizer,
+            args=(self.tokenizer, sorted(self.tokenizer.eos_token_ids)),
+            name="grammar-tokenizer",
+            daemon=True,
+        ).start()
         disk = None
         if self.prompt_cache_dir is not None and self.prompt_cache_bytes > 0:
             disk = open_disk_cache(self.prompt_cache_dir, self.prompt_cache_bytes, self.target, self.drafter)
@@ -328,11 +349,13 @@ class Worker:
             runner, tok = self.target.runner, self.tokenizer
             if self.drafter is not None:
                 # its verify passes are answered by _step_group: alone, or batched with the others'
-                events = speculative_steps(runner, self.drafter, job.prompt, settings, tok,
-                                           prefix_cache=self.prefix_cache, save_at=job.save_at)
+                events = speculative_steps(
+                    runner, self.drafter, job.prompt, settings, tok, prefix_cache=self.prefix_cache, save_at=job.save_at
+                )
             else:
-                events = generate_autoregressive(runner, job.prompt, settings, tok,
-                                                 prefix_cache=self.prefix_cache, save_at=job.save_at)
+                events = generate_autoregressive(
+                    runner, job.prompt, settings, tok, prefix_cache=self.prefix_cache, save_at=job.save_at
+                )
         except Exception as e:
             self._fail(job, e)
             return None
@@ -390,8 +413,9 @@ class Worker:
         from dflash2_mlx.policies.block_size import profile_for
 
         profile = profile_for(self.target.runner.model, self.drafter)
-        return {kind for kind, greedy in (("greedy", True), ("sampled", False))
-                if not profile.cost_table(greedy).calibrated}
+        return {
+            kind for kind, greedy in (("greedy", True), ("sampled", False)) if not profile.cost_table(greedy).calibrated
+        }
 
     @staticmethod
     def _describe(active: Active, calibrated: set[str]) -> str:
@@ -414,8 +438,14 @@ class Worker:
             job.emit("error", APIError(400, str(e), code="invalid_value"))
         else:
             log.error("request %s: generation failed", job.id, exc_info=e)
-            job.emit("error", APIError(500, f"internal error while generating; see the server log for request id {job.id}",
-                                       code="internal_error"))
+            job.emit(
+                "error",
+                APIError(
+                    500,
+                    f"internal error while generating; see the server log for request id {job.id}",
+                    code="internal_error",
+                ),
+            )
         job.state = "done"
         job.emit("end")
 

@@ -35,8 +35,9 @@ def message_boundaries(tokenizer, messages: Sequence[dict], prompt: Sequence[int
     out = set()
     for k in range(max(1, len(messages) + 1 - MAX_BOUNDARY_MESSAGES), len(messages) + 1):
         try:
-            part = tokenizer.apply_chat_template(list(messages[:k]), add_generation_prompt=False, tokenize=True,
-                                                 **template_kwargs)
+            part = tokenizer.apply_chat_template(
+                list(messages[:k]), add_generation_prompt=False, tokenize=True, **template_kwargs
+            )
         except Exception:  # a template may refuse a partial conversation (e.g. no user message yet)
             continue
         if isinstance(part, dict):  # a BatchEncoding from some tokenizers
@@ -45,4 +46,3 @@ def message_boundaries(tokenizer, messages: Sequence[dict], prompt: Sequence[int
         if 0 < n < len(prompt):
             out.add(n)
     return sorted(out)
-

@@ -19,8 +19,9 @@ def reasoning_tags(tokenizer) -> Optional[tuple[str, str]]:
 
 
 def initial_state(tokenizer, prompt: Sequence[int]) -> str:
-    """"reasoning" when ``prompt`` leaves a reasoning block open (the chat template's generation
+    """ "reasoning" when ``prompt`` leaves a reasoning block open (the chat template's generation
     prompt opened it), else "normal"; a state the tokenizer names for responses wins."""
     opened = getattr(tokenizer, "has_thinking", False) and (
-        tokenizer.rfind_think_start(prompt) > tokenizer.rfind_think_end(prompt))
+        tokenizer.rfind_think_start(prompt) > tokenizer.rfind_think_end(prompt)
+    )
     return getattr(tokenizer, "response_initial_state", None) or ("reasoning" if opened else "normal")

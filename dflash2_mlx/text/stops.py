@@ -37,7 +37,7 @@ class StopStrings:
                     hold = n
                     break
         text = self.pending[: len(self.pending) - hold]
-        self.pending = self.pending[len(text):]
+        self.pending = self.pending[len(text) :]
         return text, False
 
     def flush(self) -> str:
@@ -48,9 +48,7 @@ class StopStrings:
 def encode_prompt(tokenizer, prompt: str, use_chat_template: bool = True, system: Optional[str] = None) -> list[int]:
     """Token ids for a user prompt: through the model's chat template when it has one."""
     if use_chat_template and getattr(tokenizer, "chat_template", None):
-        messages = ([{"role": "system", "content": system}] if system else []) + [
-            {"role": "user", "content": prompt}
-        ]
+        messages = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": prompt}]
         return list(tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True))
     bos = getattr(tokenizer, "bos_token", None)
     add_special = bos is None or not prompt.startswith(bos)

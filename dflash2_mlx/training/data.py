@@ -106,14 +106,22 @@ def generate_training_sequences(
         for start in range(0, num_sequences, batch_size):
             batch = prefixes[start : start + batch_size]
             key = mx.random.key(int(seed) * 1_000_003 + start) if temperature > 0 else None
-            out[start : start + len(batch), prefix_len:] = _continuation(runner, batch, continuation_len, bar, temperature, key)
+            out[start : start + len(batch), prefix_len:] = _continuation(
+                runner, batch, continuation_len, bar, temperature, key
+            )
     finally:
         bar.close()
     return out
 
 
-def _continuation(runner, prefixes: np.ndarray, length: int, bar: ProgressBar,
-                  temperature: float = 0.0, key: Optional[mx.array] = None) -> np.ndarray:
+def _continuation(
+    runner,
+    prefixes: np.ndarray,
+    length: int,
+    bar: ProgressBar,
+    temperature: float = 0.0,
+    key: Optional[mx.array] = None,
+) -> np.ndarray:
     """[n, length]: argmax decoding (temperature 0, as plain decoding does it) or sampling at
     ``temperature`` (one key per step split from ``key``) of a batch of equal-length prefixes."""
     cache = runner.make_cache()

@@ -76,9 +76,11 @@ def evaluate(plan: BuildPlan, target_dir: Path, drafter_dir: Optional[Path], pro
             totals["s"][1] += ss.verify_steps
         rows.append(row)
         if drafter is not None:
-            log(f"eval {i + 1}/{len(prompts)} {p['source']}: acceptance {row['acceptance_length']:.2f} (t=0) "
+            log(
+                f"eval {i + 1}/{len(prompts)} {p['source']}: acceptance {row['acceptance_length']:.2f} (t=0) "
                 f"{row['acceptance_length_t07']:.2f} (t={plan.sample_temperature}), prompt lookup "
-                f"{row['prompt_lookup_acceptance']:.2f}, identical {row['identical']}")
+                f"{row['prompt_lookup_acceptance']:.2f}, identical {row['identical']}"
+            )
 
     def ratio(pair):
         return pair[0] / pair[1] if pair[1] else None
@@ -94,13 +96,15 @@ def evaluate(plan: BuildPlan, target_dir: Path, drafter_dir: Optional[Path], pro
         "per_prompt": rows,
     }
     if drafter is not None:
-        result.update({
-            "acceptance_length_t0": ratio(totals["g"]),
-            "acceptance_length_t07": ratio(totals["s"]),
-            "sample_temperature": plan.sample_temperature,
-            "identical_to_autoregressive": identical,
-            "spec_decode_tps": spec_tokens / spec_time if spec_time else None,
-        })
+        result.update(
+            {
+                "acceptance_length_t0": ratio(totals["g"]),
+                "acceptance_length_t07": ratio(totals["s"]),
+                "sample_temperature": plan.sample_temperature,
+                "identical_to_autoregressive": identical,
+                "spec_decode_tps": spec_tokens / spec_time if spec_time else None,
+            }
+        )
     return result
 
 
@@ -114,8 +118,9 @@ CHAT_PROMPTS = (
 )
 
 
-def evaluate_defaults(target_dir: Path, drafter_dir: Optional[Path], code_prompts: list[str], seed: int = 0,
-                      log: Optional[Log] = None) -> dict:
+def evaluate_defaults(
+    target_dir: Path, drafter_dir: Optional[Path], code_prompts: list[str], seed: int = 0, log: Optional[Log] = None
+) -> dict:
     """The pair as a user first meets it, at its generation_config.json defaults: the chat
     prompts (chat template, generation prompt) and the raw code prompts, one seeded sample each.
     Per set: the 4-gram repetition rate (repeated / all generated 4-grams, pooled) and the share
@@ -128,13 +133,17 @@ def evaluate_defaults(target_dir: Path, drafter_dir: Optional[Path], code_prompt
     target = load_target(str(target_dir))
     drafter = load_drafter(str(drafter_dir)) if drafter_dir is not None else None
     tok = target.tokenizer
-    sampling = SamplingSettings(temperature=float(cfg.get("temperature", 0.0)) if cfg.get("do_sample", True) else 0.0,
-                                top_p=float(cfg.get("top_p", 1.0)))
+    sampling = SamplingSettings(
+        temperature=float(cfg.get("temperature", 0.0)) if cfg.get("do_sample", True) else 0.0,
+        top_p=float(cfg.get("top_p", 1.0)),
+    )
     max_tokens = int(cfg.get("max_new_tokens", 256))
     stops = sorted(tok.eos_token_ids)
     sets = {
-        "chat": [tok.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True, tokenize=True)
-                 for p in CHAT_PROMPTS],
+        "chat": [
+            tok.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True, tokenize=True)
+            for p in CHAT_PROMPTS
+        ],
         "code": [tok.encode(p, add_special_tokens=False) for p in code_prompts],
     }
     result = {"temperature": sampling.temperature, "top_p": sampling.top_p, "max_tokens": max_tokens, "seed": seed}
@@ -152,13 +161,25 @@ def evaluate_defaults(target_dir: Path, drafter_dir: Optional[Path], code_prompt
             stopped = bool(out) and out[-1] in stops
             ended += stopped
             if name == "chat":
-                answers.append({"prompt": CHAT_PROMPTS[i], "tokens": len(out), "ended": stopped,
-                                "repetition_4gram": r / t if t else 0.0, "text": tok.decode(out)})
-        result[name] = {"prompts": len(prompts), "repetition_rate_4gram": repeated / total if total else 0.0,
-                        "ended_share": ended / len(prompts) if prompts else 0.0}
+                answers.append(
+                    {
+                        "prompt": CHAT_PROMPTS[i],
+                        "tokens": len(out),
+                        "ended": stopped,
+                        "repetition_4gram": r / t if t else 0.0,
+                        "text": tok.decode(out),
+                    }
+                )
+        result[name] = {
+            "prompts": len(prompts),
+            "repetition_rate_4gram": repeated / total if total else 0.0,
+            "ended_share": ended / len(prompts) if prompts else 0.0,
+        }
         if answers:
             result[name]["answers"] = answers
         if log:
-            log(f"defaults ({name}): repetition {100 * result[name]['repetition_rate_4gram']:.1f}%, "
-                f"ended {ended}/{len(prompts)}")
+            log(
+                f"defaults ({name}): repetition {100 * result[name]['repetition_rate_4gram']:.1f}%, "
+                f"ended {ended}/{len(prompts)}"
+            )
     return result

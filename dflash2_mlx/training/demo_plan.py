@@ -45,10 +45,20 @@ class BuildPlan:
     seed: int = 0
     vocab_size: int = 2048
     # target
-    target_model: dict = field(default_factory=lambda: dict(
-        hidden_size=256, num_layers=6, intermediate_size=448, full_attention_interval=3,
-        attention_heads=4, kv_heads=2, head_dim=32, linear_key_heads=2, linear_value_heads=4, linear_head_dim=32,
-    ))
+    target_model: dict = field(
+        default_factory=lambda: dict(
+            hidden_size=256,
+            num_layers=6,
+            intermediate_size=448,
+            full_attention_interval=3,
+            attention_heads=4,
+            kv_heads=2,
+            head_dim=32,
+            linear_key_heads=2,
+            linear_value_heads=4,
+            linear_head_dim=32,
+        )
+    )
     target_steps: int = 500
     target_batch: int = 4
     seq_len: int = 512
@@ -87,18 +97,34 @@ class BuildPlan:
 # 2-core machine), and a drafter distilled on the target's whole distribution over greedy and
 # sampled continuations (so it drafts for chat temperatures too).
 FULL = BuildPlan(
-    name="full", target_steps=1500, target_warmup=50,
-    deduplicate=True, chat_percent=40, chat_max_lines=30, chat_requests=True,
+    name="full",
+    target_steps=1500,
+    target_warmup=50,
+    deduplicate=True,
+    chat_percent=40,
+    chat_max_lines=30,
+    chat_requests=True,
     json_percent=20,
-    drafter_sequences=2560, drafter_sampled_sequences=2560, drafter_steps=3000,
+    drafter_sequences=2560,
+    drafter_sampled_sequences=2560,
+    drafter_steps=3000,
     drafter_options={"soft_target_weight": 0.5, "feature_cache_bytes": 6 << 30},
 )
 # The recipe of the previous committed pair (greedy continuations, labels only, 500 target steps).
 PREVIOUS = BuildPlan(name="previous")
 QUICK = dataclasses.replace(
-    FULL, name="quick", target_steps=12, target_warmup=3, heldout_eval_sequences=16,
-    drafter_sequences=32, drafter_sampled_sequences=32, prefix_len=32, continuation_len=32, drafter_steps=10,
-    num_prompts=4, eval_max_tokens=32,
+    FULL,
+    name="quick",
+    target_steps=12,
+    target_warmup=3,
+    heldout_eval_sequences=16,
+    drafter_sequences=32,
+    drafter_sampled_sequences=32,
+    prefix_len=32,
+    continuation_len=32,
+    drafter_steps=10,
+    num_prompts=4,
+    eval_max_tokens=32,
 )
 
 
@@ -129,7 +155,11 @@ def generation_config(eos_ids: list[int]) -> dict:
 
 # The files whose sha256 MANIFEST.json records: what --verify and --check compare.
 CHECKED_FILES = [
-    f"{TARGET_DIR}/model.safetensors", f"{TARGET_DIR}/config.json", f"{TARGET_DIR}/tokenizer.json",
-    f"{TARGET_DIR}/tokenizer_config.json", f"{DRAFTER_DIR}/model.safetensors", f"{DRAFTER_DIR}/config.json",
+    f"{TARGET_DIR}/model.safetensors",
+    f"{TARGET_DIR}/config.json",
+    f"{TARGET_DIR}/tokenizer.json",
+    f"{TARGET_DIR}/tokenizer_config.json",
+    f"{DRAFTER_DIR}/model.safetensors",
+    f"{DRAFTER_DIR}/config.json",
     "prompts.jsonl",
 ]

@@ -38,9 +38,11 @@ def build_corpus(plan: BuildPlan, log: Log):
     files = corpus_mod.load_corpus()
     unique = corpus_mod.deduplicate(files) if plan.deduplicate else files
     train, held = corpus_mod.split(unique)
-    log(f"corpus: {len(files)} files, {len(files) - len(unique)} verbatim copies dropped "
+    log(
+        f"corpus: {len(files)} files, {len(files) - len(unique)} verbatim copies dropped "
         f"({len(train)} train, {len(held)} held out), "
-        f"{sum(f.size for f in train) / 1e6:.2f} MB train, Python {sys.version.split()[0]}")
+        f"{sum(f.size for f in train) / 1e6:.2f} MB train, Python {sys.version.split()[0]}"
+    )
     return files, train, held
 
 
@@ -69,10 +71,16 @@ def build_documents(plan: BuildPlan, tok, train, held, log: Log):
     chat_docs = tok_mod.chat_ids_batch(tok, chat)
     held_docs = tok_mod.encode_plain(tok, [f.text for f in held])
     n_file, n_chat = sum(map(len, file_docs)), sum(map(len, chat_docs))
-    log(f"documents: {n_file} file tokens + {n_chat} chat-example tokens ({len(chat_docs)} examples), "
-        f"{sum(map(len, held_docs))} held-out tokens")
-    stats = {"train_file_tokens": n_file, "train_chat_tokens": n_chat, "chat_examples": len(chat_docs),
-             "heldout_tokens": sum(map(len, held_docs))}
+    log(
+        f"documents: {n_file} file tokens + {n_chat} chat-example tokens ({len(chat_docs)} examples), "
+        f"{sum(map(len, held_docs))} held-out tokens"
+    )
+    stats = {
+        "train_file_tokens": n_file,
+        "train_chat_tokens": n_chat,
+        "chat_examples": len(chat_docs),
+        "heldout_tokens": sum(map(len, held_docs)),
+    }
     return file_docs + chat_docs, held_docs, stats
 
 
@@ -90,16 +98,22 @@ def build_target(plan: BuildPlan, tok, docs, held_docs, tok_dir: Path, out_dir: 
     if plan.heldout_eval_sequences is not None:
         held_seqs = held_seqs[: plan.heldout_eval_sequences]
     tcfg = tt.TargetTrainingConfig(
-        steps=plan.target_steps, batch_size=plan.target_batch, seq_len=plan.seq_len,
-        learning_rate=plan.target_lr, warmup_steps=plan.target_warmup, seed=plan.seed,
+        steps=plan.target_steps,
+        batch_size=plan.target_batch,
+        seq_len=plan.seq_len,
+        learning_rate=plan.target_lr,
+        warmup_steps=plan.target_warmup,
+        seed=plan.seed,
     )
     model = tt.build_model(config, seed=plan.seed)
     t0 = time.perf_counter()
     history = tt.train_target(model, train_seqs, tcfg, log=log, log_every=max(1, min(25, plan.target_steps // 4)))
     seconds = time.perf_counter() - t0
     held_loss = tt.evaluate_loss(model, held_seqs, batch_size=16)
-    log(f"target: trained {plan.target_steps} steps in {seconds:.0f}s; held-out loss {held_loss:.4f} "
-        f"(perplexity {np.exp(held_loss):.2f}) over {held_seqs.shape[0] * plan.seq_len} tokens")
+    log(
+        f"target: trained {plan.target_steps} steps in {seconds:.0f}s; held-out loss {held_loss:.4f} "
+        f"(perplexity {np.exp(held_loss):.2f}) over {held_seqs.shape[0] * plan.seq_len} tokens"
+    )
     (tok_dir / "generation_config.json").write_text(json.dumps(generation_config([eos, im_end]), indent=2) + "\n")
     tt.save_target(model, config, tok_dir, out_dir)
     return {
@@ -126,11 +140,21 @@ def drafter_data(plan: BuildPlan, target, docs) -> np.ndarray:
     from dflash2_mlx.training.data import generate_training_sequences
 
     seqs = generate_training_sequences(
-        target, docs, plan.drafter_sequences, plan.prefix_len, plan.continuation_len, plan.seed + 1,
+        target,
+        docs,
+        plan.drafter_sequences,
+        plan.prefix_len,
+        plan.continuation_len,
+        plan.seed + 1,
     )
     if plan.drafter_sampled_sequences:
         sampled = generate_training_sequences(
-            target, docs, plan.drafter_sampled_sequences, plan.prefix_len, plan.continuation_len, plan.seed + 2,
+            target,
+            docs,
+            plan.drafter_sampled_sequences,
+            plan.prefix_len,
+            plan.continuation_len,
+            plan.seed + 2,
             temperature=plan.drafter_sample_temperature,
         )
         seqs = np.concatenate([seqs, sampled])
@@ -148,12 +172,19 @@ def build_drafter(plan: BuildPlan, target, docs, work: Path, log: Log) -> dict:
     t0 = time.perf_counter()
     seqs = drafter_data(plan, target, docs)
     gen_seconds = time.perf_counter() - t0
-    log(f"drafter data: {seqs.shape[0]} sequences ({plan.drafter_sampled_sequences} sampled at "
+    log(
+        f"drafter data: {seqs.shape[0]} sequences ({plan.drafter_sampled_sequences} sampled at "
         f"t={plan.drafter_sample_temperature}) of {plan.prefix_len} corpus + {plan.continuation_len} "
-        f"generated tokens in {gen_seconds:.0f}s")
+        f"generated tokens in {gen_seconds:.0f}s"
+    )
     cfg = DrafterTrainingConfig(
-        block_size=plan.drafter_block_size, layers=plan.drafter_layers, steps=plan.drafter_steps,
-        seed=plan.seed, convs=True, selector=True, target_layer_ids=list(plan.drafter_taps),
+        block_size=plan.drafter_block_size,
+        layers=plan.drafter_layers,
+        steps=plan.drafter_steps,
+        seed=plan.seed,
+        convs=True,
+        selector=True,
+        target_layer_ids=list(plan.drafter_taps),
         **plan.drafter_options,
     )
     out = work / DRAFTER_DIR
@@ -172,10 +203,15 @@ def build_drafter(plan: BuildPlan, target, docs, work: Path, log: Log) -> dict:
             state = {}
     return {
         "training": {k: v for k, v in dataclasses.asdict(cfg).items()},
-        "data": {"sequences": int(seqs.shape[0]), "sampled_sequences": plan.drafter_sampled_sequences,
-                 "sample_temperature": plan.drafter_sample_temperature, "prefix_len": plan.prefix_len,
-                 "continuation_len": plan.continuation_len, "seed": plan.seed + 1,
-                 "sha256": hashlib.sha256(np.ascontiguousarray(seqs).tobytes()).hexdigest()},
+        "data": {
+            "sequences": int(seqs.shape[0]),
+            "sampled_sequences": plan.drafter_sampled_sequences,
+            "sample_temperature": plan.drafter_sample_temperature,
+            "prefix_len": plan.prefix_len,
+            "continuation_len": plan.continuation_len,
+            "seed": plan.seed + 1,
+            "sha256": hashlib.sha256(np.ascontiguousarray(seqs).tobytes()).hexdigest(),
+        },
         "loss_history": state.get("history", []),
         "generation_seconds": round(gen_seconds, 1),
         "train_seconds": round(train_seconds, 1),

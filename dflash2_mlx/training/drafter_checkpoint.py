@@ -88,8 +88,12 @@ def load_checkpoint_state(out_dir: Path) -> Optional[dict]:
 def resume_checkpoint(out_dir: Path, state: dict, drafter: Drafter, optimizer: optim.Optimizer) -> None:
     sd = out_dir / STATE_DIR
     model_path, opt_path = out_dir / "model.safetensors", sd / "optimizer.safetensors"
-    if (not model_path.exists() or not opt_path.exists() or sha256_file(model_path) != state.get("model_sha256")
-            or sha256_file(opt_path) != state.get("optimizer_sha256")):
+    if (
+        not model_path.exists()
+        or not opt_path.exists()
+        or sha256_file(model_path) != state.get("model_sha256")
+        or sha256_file(opt_path) != state.get("optimizer_sha256")
+    ):
         raise ValueError(
             f"the checkpoint in {out_dir} is incomplete (interrupted while saving); "
             f"delete {out_dir} (or use another output directory) to start afresh"

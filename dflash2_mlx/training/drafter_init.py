@@ -105,8 +105,10 @@ def make_drafter_config(target, config: DrafterTrainingConfig) -> DrafterConfig:
         if hidden % config.conv_group_size:
             raise ValueError(f"hidden size {hidden} is not a multiple of conv_group_size {config.conv_group_size}")
         dflash.update(
-            conv_group_size=config.conv_group_size, conv_kernel_size=config.conv_kernel_size,
-            selector_rank=config.selector_rank, selector_top_k=config.selector_top_k,
+            conv_group_size=config.conv_group_size,
+            conv_kernel_size=config.conv_kernel_size,
+            selector_rank=config.selector_rank,
+            selector_top_k=config.selector_top_k,
         )
     dflash["target_model"] = target.name
     raw: dict[str, Any] = {
@@ -202,8 +204,10 @@ def drafter_from_init(target, init: Path, config: DrafterTrainingConfig) -> Draf
     raw["dtype"] = "float32"
     if config.architecture == DFLASH2 and not sc.is_dflash2:
         dflash.update(
-            conv_group_size=config.conv_group_size, conv_kernel_size=config.conv_kernel_size,
-            selector_rank=config.selector_rank, selector_top_k=config.selector_top_k,
+            conv_group_size=config.conv_group_size,
+            conv_kernel_size=config.conv_kernel_size,
+            selector_rank=config.selector_rank,
+            selector_top_k=config.selector_top_k,
         )
     elif config.architecture == DFLASH2:
         dflash["selector_top_k"] = config.selector_top_k

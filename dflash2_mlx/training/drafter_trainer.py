@@ -192,8 +192,11 @@ def train_drafter(
         features = TargetFeatures(
             runner, sequences, drafter_config.target_layer_ids, config.feature_cache_bytes, final=soft
         )
-    elif features.taps != list(drafter_config.target_layer_ids) or features.final != soft \
-            or features.sequences.shape != sequences.shape:
+    elif (
+        features.taps != list(drafter_config.target_layer_ids)
+        or features.final != soft
+        or features.sequences.shape != sequences.shape
+    ):
         raise ValueError("the given features were computed for other taps, sequences or soft-target setting")
     lm_head = runner.lm_head
 
@@ -203,8 +206,9 @@ def train_drafter(
         target_logits = None
         if final is not None:
             target_logits = block_target_logits(lm_head, final, anchors, drafter_config.block_size)
-        return drafter_loss(drafter, lm_head, hidden, labels.reshape(M, -1), preds.reshape(M, -1), weights, config,
-                            target_logits)
+        return drafter_loss(
+            drafter, lm_head, hidden, labels.reshape(M, -1), preds.reshape(M, -1), weights, config, target_logits
+        )
 
     loss_and_grad = nn.value_and_grad(drafter, loss_fn)
 
@@ -267,10 +271,14 @@ def train_drafter(
             t0 = time.perf_counter()
             rng = step_rng(config.seed, step)
             idx = batch_indices(n_seq, config.batch_size, config.seed, step)
-            anchors = np.stack([
-                sample_anchors(rng, seq_len, drafter_config.block_size, config.blocks_per_sequence, continuation_start)
-                for _ in idx
-            ])
+            anchors = np.stack(
+                [
+                    sample_anchors(
+                        rng, seq_len, drafter_config.block_size, config.blocks_per_sequence, continuation_start
+                    )
+                    for _ in idx
+                ]
+            )
             blocks, labels, preds = block_arrays(
                 sequences[idx], anchors, drafter_config.block_size, drafter_config.mask_token_id
             )
@@ -280,7 +288,11 @@ def train_drafter(
                 fraction = elapsed / budget
             optimizer.learning_rate = learning_rate_at(config, fraction)
             metrics = train_step(
-                *features(idx), mx.array(blocks), mx.array(anchors), mx.array(labels), mx.array(preds),
+                *features(idx),
+                mx.array(blocks),
+                mx.array(anchors),
+                mx.array(labels),
+                mx.array(preds),
             )
             mx.eval(metrics, drafter.parameters(), optimizer.state)
             dt = time.perf_counter() - t0

@@ -106,5 +106,11 @@ class DrafterTrainingConfig:
 
 # Fields that may change between a run and its resumption (budget and bookkeeping only).
 RESUMABLE_CHANGES = {
-    "steps", "minutes", "stop_at_step", "compile", "feature_cache_bytes", "checkpoint_every", "log_every",
+    "steps",
+    "minutes",
+    "stop_at_step",
+    "compile",
+    "feature_cache_bytes",
+    "checkpoint_every",
+    "log_every",
 }

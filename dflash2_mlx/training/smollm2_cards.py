@@ -31,12 +31,12 @@ def model_card(manifest: dict) -> str:
     ev = manifest.get("stages", {}).get("evaluate", {}).get("outputs", {})
     plan = manifest.get("plan", {})
     prompts = manifest.get("stages", {}).get("prompts", {}).get("outputs", {}).get("counts", {})
-    return f"""# {manifest['name']}
+    return f"""# {manifest["name"]}
 
 A DFlash 2 block drafter for **SmolLM2-135M-Instruct**, trained by this project's trainer
-(`{manifest['command']}`, build `{manifest['build']}`). It shares the target's embedding and
-LM head (vocabulary 49152, hidden 576); {plan.get('drafter_layers')} layer(s), block size
-{plan.get('drafter_block_size')}, taps {plan.get('drafter_taps')} of the target's 30 layers.
+(`{manifest["command"]}`, build `{manifest["build"]}`). It shares the target's embedding and
+LM head (vocabulary 49152, hidden 576); {plan.get("drafter_layers")} layer(s), block size
+{plan.get("drafter_block_size")}, taps {plan.get("drafter_taps")} of the target's 30 layers.
 
 ## Target and credit
 
@@ -46,19 +46,19 @@ The drafter was trained on the target's own answers and is released with this pr
 
 ## Training data
 
-The target's greedy and sampled (t={plan.get('sample_temperature')}, top-p {plan.get('sample_top_p')})
-answers of {plan.get('continuation_len')} tokens to a prompt set made offline from the Python
+The target's greedy and sampled (t={plan.get("sample_temperature")}, top-p {plan.get("sample_top_p")})
+answers of {plan.get("continuation_len")} tokens to a prompt set made offline from the Python
 standard library (coding requests, the language reference's topics), short-answer templates and
 questions the target wrote itself. Prompt counts: {prompts}.
 
-## Evaluation (held-out prompts, {ev.get('prompts', 'n/a')} of mixed kinds)
+## Evaluation (held-out prompts, {ev.get("prompts", "n/a")} of mixed kinds)
 
 | measure | value |
 |---|---|
-| acceptance length, t=0 | {_number(ev.get('acceptance_length_t0'))} |
-| acceptance length, t={ev.get('sample_temperature', 0.7)} | {_number(ev.get('acceptance_length_t07'))} |
-| prompt-lookup baseline, t=0 | {_number(ev.get('prompt_lookup_acceptance_length'))} |
-| greedy output identical to plain decoding | {ev.get('identical_to_autoregressive')} |
+| acceptance length, t=0 | {_number(ev.get("acceptance_length_t0"))} |
+| acceptance length, t={ev.get("sample_temperature", 0.7)} | {_number(ev.get("acceptance_length_t07"))} |
+| prompt-lookup baseline, t=0 | {_number(ev.get("prompt_lookup_acceptance_length"))} |
+| greedy output identical to plain decoding | {ev.get("identical_to_autoregressive")} |
 
 ## Build time per stage
 

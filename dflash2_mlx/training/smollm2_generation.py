@@ -35,12 +35,13 @@ def left_pad(prompts: Sequence[Sequence[int]], pad_id: int, min_len: int = 0) ->
     length = max(max(len(p) for p in prompts), min_len)
     out = np.full((len(prompts), length), pad_id, dtype=np.int32)
     for row, p in enumerate(prompts):
-        out[row, length - len(p):] = np.asarray(p, dtype=np.int32)
+        out[row, length - len(p) :] = np.asarray(p, dtype=np.int32)
     return out
 
 
-def generate_batch(runner, tokens: np.ndarray, length: int, sampling: Optional[SamplingSettings] = None,
-                   seed: int = 0) -> np.ndarray:
+def generate_batch(
+    runner, tokens: np.ndarray, length: int, sampling: Optional[SamplingSettings] = None, seed: int = 0
+) -> np.ndarray:
     """int32 [n, length]: the target's continuation of each row of ``tokens`` [n, L].
 
     Greedy (argmax, as plain decoding does it) when ``sampling`` is None or greedy; otherwise

@@ -66,10 +66,16 @@ class SmolPlan:
     # rank 32 puts two layers at 45 MB, over the budget; rank 16 gives about 38.7 MB. 8 blocks per
     # sequence: each step's cost is dominated by the LM head over every block row (drafter and
     # target logits for the soft targets), 8 x 8 x 7 rows x 49152.
-    drafter_options: dict = field(default_factory=lambda: {
-        "soft_target_weight": 0.5, "mask_token_id": 16, "selector_rank": 16, "blocks_per_sequence": 8,
-        "feature_cache_bytes": 6 << 30, "checkpoint_every": 100,
-    })
+    drafter_options: dict = field(
+        default_factory=lambda: {
+            "soft_target_weight": 0.5,
+            "mask_token_id": 16,
+            "selector_rank": 16,
+            "blocks_per_sequence": 8,
+            "feature_cache_bytes": 6 << 30,
+            "checkpoint_every": 100,
+        }
+    )
     # evaluation
     eval_max_tokens: int = 128
     max_drafter_bytes: int = 40 << 20
@@ -87,11 +93,25 @@ FULL = SmolPlan(name="full")
 # the target's question-writing pass but keeps none of its questions: a random tiny target
 # writes no question marks.
 TINY = dataclasses.replace(
-    FULL, name="tiny", train_per_kind={"code": 6, "explain": 4, "short": 4, "self": 0},
-    heldout_per_kind={"code": 1, "explain": 1, "short": 1, "self": 0}, corpus_limit=40, question_tokens=8,
-    context_len=16, continuation_len=16, batch_size=4, drafter_layers=1, drafter_taps=(0, 1), drafter_steps=4,
-    drafter_options={"soft_target_weight": 0.5, "mask_token_id": 0, "checkpoint_every": 2, "batch_size": 2,
-                     "blocks_per_sequence": 2},
+    FULL,
+    name="tiny",
+    train_per_kind={"code": 6, "explain": 4, "short": 4, "self": 0},
+    heldout_per_kind={"code": 1, "explain": 1, "short": 1, "self": 0},
+    corpus_limit=40,
+    question_tokens=8,
+    context_len=16,
+    continuation_len=16,
+    batch_size=4,
+    drafter_layers=1,
+    drafter_taps=(0, 1),
+    drafter_steps=4,
+    drafter_options={
+        "soft_target_weight": 0.5,
+        "mask_token_id": 0,
+        "checkpoint_every": 2,
+        "batch_size": 2,
+        "blocks_per_sequence": 2,
+    },
     eval_max_tokens=12,
 )
 PLANS = {"full": FULL, "tiny": TINY}

@@ -48,11 +48,12 @@ def continuation_batches(plan: SmolPlan, tokenizer, prompts: list[dict]) -> list
     ids = [tokenizer.encode(p["prompt"], add_special_tokens=False) for p in prompts]
     order = sorted(range(len(ids)), key=lambda i: (len(ids[i]), i))
     ordered = [ids[i] for i in order]
-    return [ordered[i:i + plan.batch_size] for i in range(0, len(ordered), plan.batch_size)]
+    return [ordered[i : i + plan.batch_size] for i in range(0, len(ordered), plan.batch_size)]
 
 
-def generate_continuations(plan: SmolPlan, target, prompts_file: Path, out_dir: Path, sampled: bool,
-                           log: Callable[[str], None]) -> dict:
+def generate_continuations(
+    plan: SmolPlan, target, prompts_file: Path, out_dir: Path, sampled: bool, log: Callable[[str], None]
+) -> dict:
     """Write one ``chunk_NNNNN.npz`` per batch into ``out_dir`` (existing chunks of the same inputs
     are kept) and return the stage's counts and rate."""
     prompts = read_prompt_set(prompts_file, "train")
@@ -65,9 +66,14 @@ def generate_continuations(plan: SmolPlan, target, prompts_file: Path, out_dir: 
     generated_tokens, seconds, reused = 0, 0.0, 0
     for index, batch in enumerate(batches):
         # a chunk is valid for exactly its own input tokens and settings
-        key = stage_key(tokens=[list(map(int, p)) for p in batch], length=plan.continuation_len,
-                        context=plan.context_len, sampling=dataclasses.asdict(sampling) if sampling else None,
-                        seed=seed + index, target=plan.target)
+        key = stage_key(
+            tokens=[list(map(int, p)) for p in batch],
+            length=plan.continuation_len,
+            context=plan.context_len,
+            sampling=dataclasses.asdict(sampling) if sampling else None,
+            seed=seed + index,
+            target=plan.target,
+        )
         path = out_dir / f"chunk_{index:05d}.npz"
         if path.exists():
             with np.load(path) as old:
@@ -77,7 +83,7 @@ def generate_continuations(plan: SmolPlan, target, prompts_file: Path, out_dir: 
         t0 = time.perf_counter()
         padded = left_pad(batch, pad, min_len=plan.context_len)
         answers = generate_batch(target.runner, padded, plan.continuation_len, sampling, seed=seed + index)
-        sequences = np.concatenate([padded[:, -plan.context_len:], answers], axis=1)
+        sequences = np.concatenate([padded[:, -plan.context_len :], answers], axis=1)
         assert sequences.shape[1] == total_len
         buffer = io.BytesIO()
         np.savez(buffer, sequences=sequences, prompt_tokens=np.array([len(p) for p in batch]), key=np.array(key))
@@ -85,14 +91,21 @@ def generate_continuations(plan: SmolPlan, target, prompts_file: Path, out_dir: 
         dt = time.perf_counter() - t0
         seconds += dt
         generated_tokens += answers.size
-        log(f"{'sampled' if sampled else 'greedy'}: chunk {index + 1}/{len(batches)} "
+        log(
+            f"{'sampled' if sampled else 'greedy'}: chunk {index + 1}/{len(batches)} "
             f"({len(batch)} x {padded.shape[1]} prompt + {plan.continuation_len} tokens) in {dt:.1f}s, "
-            f"{answers.size / dt:.1f} generated tokens/s")
+            f"{answers.size / dt:.1f} generated tokens/s"
+        )
     sequences = load_sequences(out_dir, len(batches))
-    return {"chunks": len(batches), "chunks_reused": reused, "sequences": int(sequences.shape[0]),
-            "sequence_length": total_len, "generated_tokens_this_run": generated_tokens,
-            "generated_tokens_per_second": round(generated_tokens / seconds, 2) if seconds else None,
-            "sha256": hashlib.sha256(sequences.tobytes()).hexdigest()}
+    return {
+        "chunks": len(batches),
+        "chunks_reused": reused,
+        "sequences": int(sequences.shape[0]),
+        "sequence_length": total_len,
+        "generated_tokens_this_run": generated_tokens,
+        "generated_tokens_per_second": round(generated_tokens / seconds, 2) if seconds else None,
+        "sha256": hashlib.sha256(sequences.tobytes()).hexdigest(),
+    }
 
 
 def load_sequences(out_dir: Path, chunks: int) -> np.ndarray:
@@ -104,8 +117,7 @@ def load_sequences(out_dir: Path, chunks: int) -> np.ndarray:
     return np.concatenate(parts)
 
 
-def compute_features(plan: SmolPlan, target, sequences: np.ndarray, out_dir: Path,
-                     log: Callable[[str], None]) -> dict:
+def compute_features(plan: SmolPlan, target, sequences: np.ndarray, out_dir: Path, log: Callable[[str], None]) -> dict:
     """The target's tapped features (and final-normed hidden state, for soft targets) of every
     training sequence, one ``features_NNNNN.npz`` per batch in ``out_dir``; chunks of the same
     tokens and taps are kept. The trainer would compute them itself before its first step, but on
@@ -116,7 +128,7 @@ def compute_features(plan: SmolPlan, target, sequences: np.ndarray, out_dir: Pat
     chunks = range(0, len(sequences), plan.batch_size)
     reused, seconds = 0, 0.0
     for index, start in enumerate(chunks):
-        tokens = sequences[start:start + plan.batch_size]
+        tokens = sequences[start : start + plan.batch_size]
         key = stage_key(tokens=hashlib.sha256(tokens.tobytes()).hexdigest(), taps=taps, target=plan.target)
         path = out_dir / f"features_{index:05d}.npz"
         if path.exists():
@@ -156,8 +168,16 @@ def drafter_bytes(drafter_dir: Path) -> int:
     return sum(p.stat().st_size for p in Path(drafter_dir).glob("*.safetensors"))
 
 
-def train(plan: SmolPlan, target, sequences: np.ndarray, out_dir: Path, log: Callable[[str], None],
-          progress: bool = False, features=None, stop_at_step: Optional[int] = None) -> dict:
+def train(
+    plan: SmolPlan,
+    target,
+    sequences: np.ndarray,
+    out_dir: Path,
+    log: Callable[[str], None],
+    progress: bool = False,
+    features=None,
+    stop_at_step: Optional[int] = None,
+) -> dict:
     """Train (or resume training) the drafter in ``out_dir`` on ``sequences`` with soft targets
     (``features``: the target's taps of ``sequences`` computed before, see ``load_features``)."""
     from dflash2_mlx.training.drafter_trainer import train_drafter
@@ -168,21 +188,36 @@ def train(plan: SmolPlan, target, sequences: np.ndarray, out_dir: Path, log: Cal
     if last in taps or max(taps) > last:
         raise ValueError(f"drafter taps {taps} must be layers of the target below its last one ({last})")
     cfg = DrafterTrainingConfig(
-        block_size=plan.drafter_block_size, layers=plan.drafter_layers, steps=plan.drafter_steps, seed=plan.seed,
-        convs=True, selector=True, target_layer_ids=taps, stop_at_step=stop_at_step, **plan.drafter_options,
+        block_size=plan.drafter_block_size,
+        layers=plan.drafter_layers,
+        steps=plan.drafter_steps,
+        seed=plan.seed,
+        convs=True,
+        selector=True,
+        target_layer_ids=taps,
+        stop_at_step=stop_at_step,
+        **plan.drafter_options,
     )
     t0 = time.perf_counter()
-    train_drafter(target, sequences, out_dir, cfg, continuation_start=plan.context_len, progress=progress,
-                  features=features)
+    train_drafter(
+        target, sequences, out_dir, cfg, continuation_start=plan.context_len, progress=progress, features=features
+    )
     seconds = time.perf_counter() - t0
     size = drafter_bytes(out_dir)
     state = json.loads((Path(out_dir) / "training_state" / "state.json").read_text())
-    log(f"train: at step {state.get('step')} of {plan.drafter_steps} after {seconds:.0f}s this run; "
-        f"drafter {size / 1e6:.1f} MB")
+    log(
+        f"train: at step {state.get('step')} of {plan.drafter_steps} after {seconds:.0f}s this run; "
+        f"drafter {size / 1e6:.1f} MB"
+    )
     if size > plan.max_drafter_bytes:
         raise ValueError(f"the drafter is {size / 1e6:.1f} MB, over the {plan.max_drafter_bytes / 1e6:.0f} MB budget")
-    return {"training": dataclasses.asdict(cfg), "bytes": size, "seconds_this_run": round(seconds, 1),
-            "loss_history": state.get("history", [])[-5:], "steps": state.get("step")}
+    return {
+        "training": dataclasses.asdict(cfg),
+        "bytes": size,
+        "seconds_this_run": round(seconds, 1),
+        "loss_history": state.get("history", [])[-5:],
+        "steps": state.get("step"),
+    }
 
 
 def copy_drafter(drafter_dir: Path, out: Path) -> None:

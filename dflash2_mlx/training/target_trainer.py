@@ -250,7 +250,8 @@ def pack_documents(documents: Sequence[Sequence[int]], seq_len: int, eos_id: int
     """Concatenate documents (each followed by eos) and cut windows of seq_len + 1 tokens
     (consecutive windows share one token: inputs [:-1], labels [1:]). Returns int32 [N, seq_len+1]."""
     stream = np.fromiter(
-        (t for doc in documents for t in (*doc, eos_id)), dtype=np.int32,
+        (t for doc in documents for t in (*doc, eos_id)),
+        dtype=np.int32,
     )
     n = (len(stream) - 1) // seq_len
     if n == 0:
@@ -285,7 +286,9 @@ class TargetTrainingConfig:
 def lr_schedule(cfg: TargetTrainingConfig) -> Callable:
     warm = max(1, min(cfg.warmup_steps, cfg.steps))
     cosine = optim.cosine_decay(cfg.learning_rate, max(1, cfg.steps - warm), cfg.learning_rate * cfg.min_lr_ratio)
-    return optim.join_schedules([optim.linear_schedule(cfg.learning_rate / warm, cfg.learning_rate, warm), cosine], [warm])
+    return optim.join_schedules(
+        [optim.linear_schedule(cfg.learning_rate / warm, cfg.learning_rate, warm), cosine], [warm]
+    )
 
 
 def batch_order(num_sequences: int, steps: int, batch_size: int, seed: int) -> np.ndarray:
@@ -343,8 +346,10 @@ def train_target(
             running = []
             if log:
                 tps = (i + 1) * cfg.batch_size * cfg.seq_len / elapsed
-                log(f"target step {i + 1}/{cfg.steps} loss {entry['loss']:.3f} lr {opt.learning_rate.item():.2e} "
-                    f"{tps:.0f} tok/s {elapsed:.0f}s")
+                log(
+                    f"target step {i + 1}/{cfg.steps} loss {entry['loss']:.3f} lr {opt.learning_rate.item():.2e} "
+                    f"{tps:.0f} tok/s {elapsed:.0f}s"
+                )
     model.eval()
     return history
 

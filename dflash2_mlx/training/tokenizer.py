@@ -46,7 +46,7 @@ CHAT_TEMPLATE = (
     "{%- for tool in tools %}{{- '\\n' + (tool | tojson) }}{%- endfor %}"
     "{{- '\\n</tools>\\n\\nFor each function call, return a json object with function name and arguments '"
     " + 'within <tool_call></tool_call> XML tags:\\n<tool_call>\\n'"
-    " + '{\"name\": <function-name>, \"arguments\": <args-json-object>}\\n</tool_call><|im_end|>\\n' }}"
+    ' + \'{"name": <function-name>, "arguments": <args-json-object>}\\n</tool_call><|im_end|>\\n\' }}'
     "{%- endif %}"
     "{%- for message in messages %}"
     "{%- if tools and loop.first and message['role'] == 'system' %}"
@@ -60,7 +60,7 @@ CHAT_TEMPLATE = (
     "{%- for tool_call in message.tool_calls %}"
     "{%- if tool_call.function is defined %}{%- set tool_call = tool_call.function %}{%- endif %}"
     "{%- if not loop.first or render_content(message['content']) %}{{- '\\n' }}{%- endif %}"
-    "{{- '<tool_call>\\n{\"name\": \"' + tool_call.name + '\", \"arguments\": ' }}"
+    '{{- \'<tool_call>\\n{"name": "\' + tool_call.name + \'", "arguments": \' }}'
     "{%- if tool_call.arguments is string %}{{- tool_call.arguments }}{%- else %}{{- tool_call.arguments | tojson }}{%- endif %}"
     "{{- '}\\n</tool_call>' }}"
     "{%- endfor %}"
@@ -97,8 +97,14 @@ def save_tokenizer(tok, out_dir: Path, model_max_length: int = 4096) -> Path:
     tok.save(str(out_dir / "tokenizer.json"))
     ids = {t: tok.token_to_id(t) for t in SPECIAL_TOKENS}
     added = {
-        str(ids[t]): {"content": t, "lstrip": False, "normalized": False, "rstrip": False,
-                      "single_word": False, "special": True}
+        str(ids[t]): {
+            "content": t,
+            "lstrip": False,
+            "normalized": False,
+            "rstrip": False,
+            "single_word": False,
+            "special": True,
+        }
         for t in SPECIAL_TOKENS
     }
     config = {
@@ -160,6 +166,16 @@ def chat_ids_batch(tok, pairs: Sequence[tuple[str, str]]) -> list[list[int]]:
     out = []
     for i in range(len(pairs)):
         user_ids, answer = texts[2 * i], texts[2 * i + 1]
-        out.append([ids[IM_START]] + role_user + user_ids + [ids[IM_END]] + nl
-                   + [ids[IM_START]] + role_assistant + answer + [ids[IM_END]] + nl)
+        out.append(
+            [ids[IM_START]]
+            + role_user
+            + user_ids
+            + [ids[IM_END]]
+            + nl
+            + [ids[IM_START]]
+            + role_assistant
+            + answer
+            + [ids[IM_END]]
+            + nl
+        )
     return out

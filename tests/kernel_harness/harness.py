@@ -50,8 +50,15 @@ HERE = Path(__file__).resolve().parent
 SHIM = HERE / "shim.h"
 RUNTIME = HERE / "runtime.h"
 CXXFLAGS = (
-    "-std=c++17", "-O2", "-ffp-contract=off", "-fno-fast-math", "-fPIC", "-shared",
-    "-Wall", "-Wno-unused-variable", "-Wno-unused-but-set-variable",
+    "-std=c++17",
+    "-O2",
+    "-ffp-contract=off",
+    "-fno-fast-math",
+    "-fPIC",
+    "-shared",
+    "-Wall",
+    "-Wno-unused-variable",
+    "-Wno-unused-but-set-variable",
 )
 MAX_CONSTANT_ARRAY_SIZE = 8  # custom_kernel.cpp: inputs with fewer elements are `constant`
 GUARD_BYTES = 64
@@ -197,27 +204,29 @@ def generate(
     args += [f"ti.{a}" for a, _ in attributes]
     uses_barrier = "threadgroup_barrier" in body
     label = source_label.replace("\\", "/").replace('"', "")
-    text = "\n".join([
-        '#include "shim.h"',
-        '#include "runtime.h"',
-        spec.header,
-        f"{tmpl_decl}void {fname}(",
-        ",\n".join(decls) + ") {",
-        f'#line 1 "{label}"',
-        body,
-        "}",
-        '#line 10000 "harness_launcher.cpp"',
-        'extern "C" int dflash2_launch(void** args, const unsigned* grid, const unsigned* group,',
-        "                              int reverse) {",
-        "  const dflash2_harness::Body body = [&](const dflash2_harness::ThreadInfo& ti) {",
-        "    (void)ti;",
-        f"    {fname}{tmpl_inst}(" + ", ".join(args) + ");",
-        "  };",
-        f"  return dflash2_harness::launch(grid, group, reverse, {str(uses_barrier).lower()}, body);",
-        "}",
-        'extern "C" const char* dflash2_error() { return dflash2_harness::g_error.c_str(); }',
-        "",
-    ])
+    text = "\n".join(
+        [
+            '#include "shim.h"',
+            '#include "runtime.h"',
+            spec.header,
+            f"{tmpl_decl}void {fname}(",
+            ",\n".join(decls) + ") {",
+            f'#line 1 "{label}"',
+            body,
+            "}",
+            '#line 10000 "harness_launcher.cpp"',
+            'extern "C" int dflash2_launch(void** args, const unsigned* grid, const unsigned* group,',
+            "                              int reverse) {",
+            "  const dflash2_harness::Body body = [&](const dflash2_harness::ThreadInfo& ti) {",
+            "    (void)ti;",
+            f"    {fname}{tmpl_inst}(" + ", ".join(args) + ");",
+            "  };",
+            f"  return dflash2_harness::launch(grid, group, reverse, {str(uses_barrier).lower()}, body);",
+            "}",
+            'extern "C" const char* dflash2_error() { return dflash2_harness::g_error.c_str(); }',
+            "",
+        ]
+    )
     return text, params, uses_barrier
 
 
@@ -257,9 +266,7 @@ def build(text: str) -> ctypes.CDLL:
     # `constant` and `device` are empty macros in the shim: units that differ only in them
     # (an input below or above 8 elements) compile to the same library.
     normalized = re.sub(r"\bconst (constant|device) ", "const ", text)
-    key = hashlib.sha256(
-        "\0".join([normalized, shim, runtime, cxx, " ".join(CXXFLAGS)]).encode()
-    ).hexdigest()[:24]
+    key = hashlib.sha256("\0".join([normalized, shim, runtime, cxx, " ".join(CXXFLAGS)]).encode()).hexdigest()[:24]
     with _LOCK:
         lib = _LIBS.get(key)
         if lib is not None:
@@ -274,15 +281,15 @@ def build(text: str) -> ctypes.CDLL:
             proc = subprocess.run(cmd, capture_output=True, text=True)
             if proc.returncode != 0:
                 tmp.unlink(missing_ok=True)
-                raise HarnessError(
-                    f"compiling the kernel body failed ({' '.join(cmd)}):\n{proc.stderr[-6000:]}"
-                )
+                raise HarnessError(f"compiling the kernel body failed ({' '.join(cmd)}):\n{proc.stderr[-6000:]}")
             os.replace(tmp, so)
         lib = ctypes.CDLL(str(so))
         lib.dflash2_launch.restype = ctypes.c_int
         lib.dflash2_launch.argtypes = [
-            ctypes.POINTER(ctypes.c_void_p), ctypes.POINTER(ctypes.c_uint),
-            ctypes.POINTER(ctypes.c_uint), ctypes.c_int,
+            ctypes.POINTER(ctypes.c_void_p),
+            ctypes.POINTER(ctypes.c_uint),
+            ctypes.POINTER(ctypes.c_uint),
+            ctypes.c_int,
         ]
         lib.dflash2_error.restype = ctypes.c_char_p
         _LIBS[key] = lib
@@ -342,7 +349,11 @@ def run(
         raise HarnessError("a custom spec needs its body text (source=...)")
     body = plans.load_source(spec) if source is None else source
     text, params, _ = generate(
-        spec, body, plan.inputs, plan.output_dtypes, plan.template,
+        spec,
+        body,
+        plan.inputs,
+        plan.output_dtypes,
+        plan.template,
         source_label=f"metal/{spec.filename}" if source is None else f"modified/{spec.filename}",
     )
     lib = build(text)
@@ -391,7 +402,7 @@ def run(
     if status != 0:
         raise HarnessError(f"{spec.name}: {error}")
     for name, raw, view in zip(spec.output_names, outs_raw, outs_view):
-        if not np.all(raw[view.nbytes:] == POISON):
+        if not np.all(raw[view.nbytes :] == POISON):
             raise HarnessError(f"{spec.name}: out-of-bounds write past the end of output {name!r}")
     return [_to_mlx(v, d) for v, d in zip(outs_view, plan.output_dtypes)]
 
@@ -420,24 +431,40 @@ def two_tap_conv(x: mx.array, dynamic: mx.array, base: mx.array) -> mx.array:
 
 def select_greedy(anchor, candidates, unary, hidden, predecessor_codebook, successor_codebook):
     return run_kernel(
-        "select_greedy", anchor, candidates, unary, hidden,
-        predecessor_codebook, successor_codebook,
+        "select_greedy",
+        anchor,
+        candidates,
+        unary,
+        hidden,
+        predecessor_codebook,
+        successor_codebook,
     )
 
 
 def select_sampled(
-    anchor, candidates, unary, hidden, predecessor_codebook, successor_codebook,
-    uniforms, temperature,
+    anchor,
+    candidates,
+    unary,
+    hidden,
+    predecessor_codebook,
+    successor_codebook,
+    uniforms,
+    temperature,
 ):
     return run_kernel(
-        "select_sampled", anchor, candidates, unary, hidden,
-        predecessor_codebook, successor_codebook, uniforms, temperature,
+        "select_sampled",
+        anchor,
+        candidates,
+        unary,
+        hidden,
+        predecessor_codebook,
+        successor_codebook,
+        uniforms,
+        temperature,
     )
 
 
-def harness_kernels(
-    *, sources: dict[str, str] | None = None, reverse: bool = False
-) -> dict[str, Callable]:
+def harness_kernels(*, sources: dict[str, str] | None = None, reverse: bool = False) -> dict[str, Callable]:
     """Keyword arguments for ``kernels.override``: every public kernel through the harness
     (optionally with replaced body texts, keyed by kernel name)."""
     sources = sources or {}
@@ -469,9 +496,7 @@ def compare_conv(got: mx.array, x: mx.array, dynamic: mx.array, base: mx.array) 
     (float32) or 1e-2 (float16/bfloat16), scaled by max(1, max |reference|)."""
     problems = []
     want = reference.reference_two_tap_conv(x, dynamic, base)
-    want32 = reference.reference_two_tap_conv(
-        x.astype(mx.float32), dynamic.astype(mx.float32), base.astype(mx.float32)
-    )
+    want32 = reference.reference_two_tap_conv(x.astype(mx.float32), dynamic.astype(mx.float32), base.astype(mx.float32))
     if tuple(got.shape) != tuple(want.shape) or got.dtype != want.dtype:
         return [f"shape/dtype {got.shape} {got.dtype} != {want.shape} {want.dtype}"]
     g, w32 = _f32(got), np.array(want32)
