@@ -655,6 +655,35 @@ def test_features_computed_per_step_train_the_same_drafter(target, sequences, tr
     assert max(float(np.abs(a[k] - b[k]).max()) for k in a) < 1e-6
 
 
+def test_features_kept_from_before_train_bit_for_bit_the_same_drafter(target, sequences, trained, tmp_path):
+    """A staged build keeps the target's features on disk and hands them to the trainer."""
+    from dflash2_mlx.training.target_features import TargetFeatures
+
+    taps = json.loads((trained / "config.json").read_text())["dflash_config"]["target_layer_ids"]
+    feats, _ = TargetFeatures(target.runner, sequences, taps, budget=1 << 40).cached
+    kept = TargetFeatures.from_arrays(target.runner, sequences, taps, mx.array(np.array(feats)))
+    out = train_drafter(
+        target,
+        sequences,
+        tmp_path / "kept",
+        small_config(compile=True),
+        continuation_start=PREFIX,
+        progress=False,
+        features=kept,
+    )
+    assert (out / "model.safetensors").read_bytes() == (trained / "model.safetensors").read_bytes()
+    with pytest.raises(ValueError, match="other taps"):
+        train_drafter(
+            target,
+            sequences,
+            tmp_path / "other",
+            small_config(soft_target_weight=0.5),
+            continuation_start=PREFIX,
+            progress=False,
+            features=kept,
+        )
+
+
 def test_a_minutes_budget_ends_the_run_by_the_clock(target, sequences, tmp_path):
     out = train_drafter(
         target,

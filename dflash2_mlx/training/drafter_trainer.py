@@ -121,6 +121,7 @@ def train_drafter(
     init: Optional[Path] = None,
     continuation_start: int = 0,
     progress: bool = True,
+    features: Optional[TargetFeatures] = None,
 ) -> Path:
     """Train a drafter on ``sequences`` (int32 [n, S], ideally from ``generate_training_sequences``).
 
@@ -128,7 +129,9 @@ def train_drafter(
     drawn at positions >= ``continuation_start`` with room for the block. Writes ``out_dir``
     (config.json + model.safetensors in the real layout, training_state/ for resume) and returns
     it; an ``out_dir`` holding a run's state resumes that run. Deterministic for a fixed seed and
-    step budget; a ``minutes`` budget is not.
+    step budget; a ``minutes`` budget is not. ``features`` (``TargetFeatures.from_arrays``) are
+    the target's taps of ``sequences`` computed before, e.g. kept on disk by a staged build, so a
+    resumed run does not compute them again.
     """
     config.validate()
     out_dir = Path(out_dir)
@@ -185,9 +188,16 @@ def train_drafter(
 
     weights = mx.array(loss_weights(drafter_config.block_size, config.resolved_gamma()))
     soft = config.soft_target_weight > 0
-    features = TargetFeatures(
-        runner, sequences, drafter_config.target_layer_ids, config.feature_cache_bytes, final=soft
-    )
+    if features is None:
+        features = TargetFeatures(
+            runner, sequences, drafter_config.target_layer_ids, config.feature_cache_bytes, final=soft
+        )
+    elif (
+        features.taps != list(drafter_config.target_layer_ids)
+        or features.final != soft
+        or features.sequences.shape != sequences.shape
+    ):
+        raise ValueError("the given features were computed for other taps, sequences or soft-target setting")
     lm_head = runner.lm_head
 
     def loss_fn(feats, final, blocks, anchors, labels, preds):

@@ -35,6 +35,24 @@ class TargetFeatures:
             self.cached = tuple(mx.concatenate(p, axis=0) if p[0] is not None else None for p in zip(*parts))
             mx.eval(self.cached)
 
+    @classmethod
+    def from_arrays(
+        cls, runner, sequences: np.ndarray, taps: list[int], features: mx.array, final: Optional[mx.array] = None
+    ) -> "TargetFeatures":
+        """Features computed before (and kept on disk), for ``sequences``: [n, S, len(taps) * H]
+        and, for soft targets, the final-normed last hidden state [n, S, H]."""
+        n, s = sequences.shape
+        if features.shape != (n, s, len(taps) * runner.hidden_size):
+            raise ValueError(
+                f"features of shape {features.shape} do not match {n} sequences of {s} tokens "
+                f"and {len(taps)} taps of width {runner.hidden_size}"
+            )
+        self = cls.__new__(cls)
+        self.runner, self.sequences, self.taps, self.final = runner, sequences, list(taps), final is not None
+        self.last = len(runner.layers) - 1
+        self.cached = (features, final)
+        return self
+
     def _compute(self, tokens: np.ndarray) -> tuple[mx.array, Optional[mx.array]]:
         """(tapped features [n, S, T*H], the final-normed last hidden state [n, S, H] or None)."""
         taps = self.taps + ([self.last] if self.final else [])

