@@ -11,7 +11,8 @@ from fastapi import APIRouter, Depends, Request
 
 from dflash2_mlx.server.dependencies import ServerState, openai_key, read_json, server_state, validate
 from dflash2_mlx.server.errors import APIError
-from dflash2_mlx.server.responses_api import ResponsesFormatter, ResponsesRequest, renamed, translate
+from dflash2_mlx.server.responses_api import ResponsesRequest, renamed, translate
+from dflash2_mlx.server.responses_output import ResponsesFormatter
 from dflash2_mlx.server.routes_openai import chat_job
 from dflash2_mlx.server.schemas import ChatCompletionRequest
 
