@@ -253,3 +253,33 @@ def test_two_processes_writing_one_directory_leave_it_consistent(tmp_path):
                 k = hit.target.states[0][0]
                 assert k.shape == (1, 2, 64, 16) and float(k[0, 0, 0, 0]) == me * 1000 + i
     assert json.loads((tmp_path / "index.json").read_text())["format"] == FORMAT
+
+
+def test_the_directory_never_holds_more_than_the_budget_while_a_snapshot_is_written(tmp_path, monkeypatch):
+    """Eviction happens before the new file is published: sampled at the moment of publication,
+    the snapshots on disk are within the budget."""
+    import os
+
+    import numpy as np
+
+    from dflash2_mlx.caches import disk as disk_mod
+
+    root = tmp_path / "cache"
+    cache = disk_mod.DiskPrefixCache(root, "identity", max_bytes=2500)
+    seen = []
+    real_replace = os.replace
+
+    def replace_and_measure(src, dst):
+        real_replace(src, dst)
+        if str(dst).endswith(".safetensors"):
+            seen.append(sum(f.stat().st_size for f in cache.snapshots.glob("*.safetensors")))
+
+    monkeypatch.setattr(disk_mod.os, "replace", replace_and_measure)
+    payload = {"x": np.zeros(200, dtype=np.float32)}  # ~0.9 KB per snapshot
+    for i in range(6):
+        cache._write(f"k{i}", payload, {"n": str(i)}, 10 + i, False, False)
+    assert len(seen) == 6 and max(seen) <= 2500, seen
+    big = {"x": np.zeros(2000, dtype=np.float32)}  # larger than the whole budget: not kept
+    cache._write("big", big, {}, 99, False, False)
+    assert not (cache.snapshots / "big.safetensors").exists()
+    assert not list(cache.snapshots.glob("*.tmp"))

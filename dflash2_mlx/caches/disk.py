@@ -267,7 +267,6 @@ class DiskPrefixCache:
             os.fsync(f.fileno())
         with self._locked():
             entries = _read_index(self._index_path)
-            os.replace(tmp, self.snapshots / name)
             entries[key] = {
                 "identity": self.identity,
                 "file": name,
@@ -278,7 +277,13 @@ class DiskPrefixCache:
                 "logits": has_logits,
                 "last_use": time.time(),
             }
+            # evict first, then publish the new file: the directory never holds more than the
+            # budget (a soak test sampling it caught 21.2 MB of 20.5 when the order was reversed)
             self._evict(entries, keep=key)
+            if key in entries:
+                os.replace(tmp, self.snapshots / name)
+            else:  # a snapshot larger than the whole budget is not kept
+                tmp.unlink()
             self._write_index(entries)
         self._damaged.discard(key)
         self.writes += 1
