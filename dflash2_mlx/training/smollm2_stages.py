@@ -43,6 +43,14 @@ __all__ = [
 ]
 
 
+def _chunk_done(path: Path, key: str) -> bool:
+    """A chunk file written by an earlier run from the same inputs (its stored key matches)."""
+    if not path.exists():
+        return False
+    with np.load(path) as old:
+        return str(old["key"]) == key
+
+
 def continuation_batches(plan: SmolPlan, tokenizer, prompts: list[dict]) -> list[list[list[int]]]:
     """The training prompts' token ids, sorted by length (ties in file order) and cut into batches."""
     ids = [tokenizer.encode(p["prompt"], add_special_tokens=False) for p in prompts]
@@ -75,11 +83,9 @@ def generate_continuations(
             target=plan.target,
         )
         path = out_dir / f"chunk_{index:05d}.npz"
-        if path.exists():
-            with np.load(path) as old:
-                if str(old["key"]) == key:
-                    reused += 1
-                    continue
+        if _chunk_done(path, key):
+            reused += 1
+            continue
         t0 = time.perf_counter()
         padded = left_pad(batch, pad, min_len=plan.context_len)
         answers = generate_batch(target.runner, padded, plan.continuation_len, sampling, seed=seed + index)
@@ -131,11 +137,9 @@ def compute_features(plan: SmolPlan, target, sequences: np.ndarray, out_dir: Pat
         tokens = sequences[start : start + plan.batch_size]
         key = stage_key(tokens=hashlib.sha256(tokens.tobytes()).hexdigest(), taps=taps, target=plan.target)
         path = out_dir / f"features_{index:05d}.npz"
-        if path.exists():
-            with np.load(path) as old:
-                if str(old["key"]) == key:
-                    reused += 1
-                    continue
+        if _chunk_done(path, key):
+            reused += 1
+            continue
         t0 = time.perf_counter()
         feats, final = TargetFeatures(target.runner, tokens, taps, budget=1 << 62, final=True).cached
         buffer = io.BytesIO()
