@@ -67,6 +67,7 @@ def generate(
         check_positive,
         choose_models,
         controller_line,
+        decode_settings,
         load_models,
         parse_block_size,
         read_json_schema,
@@ -75,7 +76,6 @@ def generate(
     )
     from dflash2_mlx.decoding.autoregressive import generate_autoregressive
     from dflash2_mlx.decoding.speculative import generate_speculative
-    from dflash2_mlx.decoding.types import GenerationSettings
     from dflash2_mlx.text.stops import encode_prompt
 
     check_positive("--max-tokens", max_tokens)
@@ -86,12 +86,12 @@ def generate(
     target, drafter = load_models(choice, None if no_draft else block_size, quiet=True)
     tokenizer = target.tokenizer
     ids = encode_prompt(tokenizer, prompt, use_chat_template=not ignore_chat_template, system=system)
-    settings = GenerationSettings(
-        max_tokens=max_tokens,
-        sampling=sampling,
-        seed=seed,
-        block_size=block_size,
-        stop_token_ids=sorted(tokenizer.eos_token_ids),
+    settings = decode_settings(
+        tokenizer,
+        max_tokens,
+        sampling,
+        seed,
+        block_size,
         stop_strings=stop,
         grammar=schema_grammar(schema, tokenizer, ids) if schema is not None else None,
     )

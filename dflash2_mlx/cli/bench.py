@@ -64,7 +64,7 @@ def bench_command(
     """
     from rich.console import Console
 
-    from dflash2_mlx.decoding.types import GenerationSettings
+    from dflash2_mlx.cli.common import decode_settings
     from dflash2_mlx.diagnostics import bench
 
     check_positive("--max-tokens", max_tokens)
@@ -90,12 +90,12 @@ def bench_command(
     block_size = parse_block_size(block_size)
     target, drafter = load_models(choice, block_size)
     tokenizer = target.tokenizer
-    settings = GenerationSettings(
-        max_tokens=max_tokens,
-        sampling=sampling,
-        seed=seed,
-        block_size=block_size,
-        stop_token_ids=sorted(tokenizer.eos_token_ids),
+    settings = decode_settings(
+        tokenizer,
+        max_tokens,
+        sampling,
+        seed,
+        block_size,
     )
     err = Console(stderr=True)
 

@@ -322,3 +322,18 @@ def schema_grammar(schema: dict, tokenizer, prompt: Sequence[int]):
     return Grammar.json_schema(
         schema, tokenizer, sorted(tokenizer.eos_token_ids), reasoning_end=reasoning_end_for(tokenizer, prompt)
     )
+
+
+def decode_settings(tokenizer, max_tokens: int, sampling, seed, block_size, **more):
+    """A command's GenerationSettings: its sampling, seed and block size, stopping at the
+    tokenizer's end-of-sequence tokens (``more``: stop strings, a grammar)."""
+    from dflash2_mlx.decoding.types import GenerationSettings
+
+    return GenerationSettings(
+        max_tokens=max_tokens,
+        sampling=sampling,
+        seed=seed,
+        block_size=block_size,
+        stop_token_ids=sorted(tokenizer.eos_token_ids),
+        **more,
+    )

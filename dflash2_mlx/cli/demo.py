@@ -178,9 +178,9 @@ def demo_command(
     from rich.console import Console
     from rich.live import Live
 
+    from dflash2_mlx.cli.common import decode_settings
     from dflash2_mlx.decoding.autoregressive import generate_autoregressive
     from dflash2_mlx.decoding.speculative import generate_speculative
-    from dflash2_mlx.decoding.types import GenerationSettings
     from dflash2_mlx.diagnostics.bench import BUILTIN_PROMPTS
 
     check_positive("--max-tokens", max_tokens)
@@ -205,12 +205,12 @@ def demo_command(
     if "messages" in line and not getattr(tokenizer, "chat_template", None):
         line = {"prompt": line["messages"][-1]["content"]}
     ids = encode_line(tokenizer, line)
-    settings = GenerationSettings(
-        max_tokens=max_tokens,
-        sampling=sampling,
-        seed=seed,
-        block_size=block_size,
-        stop_token_ids=sorted(tokenizer.eos_token_ids),
+    settings = decode_settings(
+        tokenizer,
+        max_tokens,
+        sampling,
+        seed,
+        block_size,
     )
     console = Console(highlight=False)
     shown = line["prompt"] if "prompt" in line else line["messages"][-1]["content"]
