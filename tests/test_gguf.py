@@ -348,7 +348,8 @@ def test_speculative_decoding_is_lossless_on_a_llama_gguf_with_every_accepted_co
     plain = [
         t for e in generate_autoregressive(runner, prompt, GenerationSettings(max_tokens=n_tokens)) for t in e.tokens
     ]
-    dcfg = tiny.drafter_config(target.config, version=2, block_size=16, taps=[0, 1])
+    vocab = target.config["vocab_size"]
+    dcfg = tiny.drafter_config(target.config, version=2, block_size=16, taps=[0, 1], mask_token_id=vocab - 1)
     corrupt, pos, wanted = set(), len(prompt), list(range(block))
     for a in wanted:  # corrupting position s+1+a makes the cycle starting at s accept exactly a
         if a < block - 1:

@@ -95,6 +95,10 @@ def drafter_config(
 ) -> DrafterConfig:
     text = target_config.get("text_config", target_config)
     n = text["num_hidden_layers"]
+    # an embedding lookup past the vocabulary reads whatever memory follows (NaN some runs):
+    # loading refuses such a pair, and so must every drafter a test builds by hand
+    if not 0 <= mask_token_id < text["vocab_size"]:
+        raise ValueError(f"mask token {mask_token_id} is outside the target's vocabulary ({text['vocab_size']})")
     cfg = {
         "architectures": [DFLASH2 if version == 2 else DFLASH1],
         "model_type": "qwen3",
