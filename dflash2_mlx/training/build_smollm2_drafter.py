@@ -150,18 +150,19 @@ class Build:
 
         from dflash2_mlx.training.smollm2_stages import load_sequences
 
-        return np.concatenate(
+        every = np.concatenate(
             [
                 load_sequences(self.work / "continuations" / name, record.outputs["chunks"])
                 for name, record in (("greedy", greedy), ("sampled", sampled))
             ]
         )
+        return every[:: self.plan.window_stride]
 
     def features(self, greedy: StageRecord, sampled: StageRecord) -> StageRecord:
         from dflash2_mlx.training.smollm2_stages import compute_features
 
         key = stage_key(
-            plan=self.plan.fields("target", "drafter_taps", "batch_size"),
+            plan=self.plan.fields("target", "drafter_taps", "batch_size", "window_stride"),
             data=[greedy.outputs["sha256"], sampled.outputs["sha256"]],
         )
         return self.run_stage(
@@ -180,6 +181,7 @@ class Build:
             plan=p.fields(
                 "seed",
                 "context_len",
+                "window_stride",
                 "drafter_layers",
                 "drafter_block_size",
                 "drafter_taps",
@@ -326,7 +328,12 @@ def main(argv: Optional[list[str]] = None) -> int:
     ap.add_argument("--work", type=Path, required=True, help="work directory (kept; a rerun resumes from it)")
     ap.add_argument("--out", type=Path, required=True, help="where the finished drafter and its MANIFEST go")
     ap.add_argument("--stage", choices=STAGES, default=STAGES[-1], help="stop after this stage (default: all)")
-    ap.add_argument("--plan", choices=sorted(PLANS), default="full", help="full: the real build; tiny: a smoke test")
+    ap.add_argument(
+        "--plan",
+        choices=sorted(PLANS),
+        default="full",
+        help="full: the real build; session: a third of its windows and 800 steps (fits a session); tiny: a smoke test",
+    )
     ap.add_argument("--target", default=None, help="target model (default: the plan's, smollm2)")
     ap.add_argument(
         "--train-until-step",
