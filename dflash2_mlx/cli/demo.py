@@ -171,7 +171,8 @@ def demo_command(
     two live panels at their measured pace, each panel advancing on its own measured clock. Each
     panel shows the text (DFlash 2's colored per verify cycle), tokens, decode tok/s and elapsed
     time; the end shows the speedup, the acceptance length and the acceptance rate per draft
-    position. With no arguments it runs on the embedded tiny pair with its demo prompt.
+    position. With no arguments it runs the default pair (SmolLM2 and its drafter when installed, else
+    the embedded tiny pair, on its own demo request).
     """
     from dataclasses import replace
 

@@ -12,20 +12,12 @@ from typing import List, Optional
 
 import typer
 
-from dflash2_mlx.cli.common import block_size_option, prompt_cache_option
+from dflash2_mlx.cli.common import block_size_option, draft_option, model_option, prompt_cache_option
 
 
 def serve_command(
-    model: Optional[str] = typer.Option(
-        None,
-        "--model",
-        "-m",
-        help="Target model: local directory or Hugging Face repo id. Default: the embedded tiny demo pair, when "
-        "installed.",
-    ),
-    draft_model: Optional[str] = typer.Option(
-        None, "--draft-model", "-d", help="DFlash / DFlash 2 drafter for the target: directory or repo id."
-    ),
+    model: Optional[str] = model_option(),
+    draft_model: Optional[str] = draft_option(),
     host: str = typer.Option(
         "127.0.0.1",
         "--host",
