@@ -72,11 +72,13 @@ def test_training_sequences_are_the_prompt_tail_then_the_answer_at_one_length(ti
     assert not np.array_equal(greedy, sampled)
 
 
-def test_a_window_stride_keeps_every_kth_window_of_the_greedy_then_sampled_answers(tiny_build):
+def test_a_window_limit_keeps_the_first_windows_greedy_answers_first(tiny_build):
     plan, work, out, records = tiny_build
     every = Build(plan, work, out).sequences(records["greedy"], records["sampled"])
-    strided = Build(dataclasses.replace(plan, window_stride=3), work, out)
-    assert np.array_equal(strided.sequences(records["greedy"], records["sampled"]), every[::3])
+    greedy = load_sequences(work / "continuations" / "greedy", records["greedy"].outputs["chunks"])
+    assert np.array_equal(every[: len(greedy)], greedy)
+    first = Build(dataclasses.replace(plan, windows=5), work, out)
+    assert np.array_equal(first.sequences(records["greedy"], records["sampled"]), every[:5])
 
 
 def test_the_build_writes_a_manifest_a_model_card_and_a_drafter_identical_to_plain_decoding(tiny_build):

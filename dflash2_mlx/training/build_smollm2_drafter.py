@@ -156,13 +156,13 @@ class Build:
                 for name, record in (("greedy", greedy), ("sampled", sampled))
             ]
         )
-        return every[:: self.plan.window_stride]
+        return every[: self.plan.windows]
 
     def features(self, greedy: StageRecord, sampled: StageRecord) -> StageRecord:
         from dflash2_mlx.training.smollm2_stages import compute_features
 
         key = stage_key(
-            plan=self.plan.fields("target", "drafter_taps", "batch_size", "window_stride"),
+            plan=self.plan.fields("target", "drafter_taps", "batch_size", "windows"),
             data=[greedy.outputs["sha256"], sampled.outputs["sha256"]],
         )
         return self.run_stage(
@@ -181,7 +181,7 @@ class Build:
             plan=p.fields(
                 "seed",
                 "context_len",
-                "window_stride",
+                "windows",
                 "drafter_layers",
                 "drafter_block_size",
                 "drafter_taps",
@@ -332,7 +332,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         "--plan",
         choices=sorted(PLANS),
         default="full",
-        help="full: the real build; session: a third of its windows and 800 steps (fits a session); tiny: a smoke test",
+        help="full: the real build; session: 1280 of its windows and 500 steps (fits a session); tiny: a smoke test",
     )
     ap.add_argument("--target", default=None, help="target model (default: the plan's, smollm2)")
     ap.add_argument(

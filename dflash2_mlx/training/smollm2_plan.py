@@ -52,9 +52,10 @@ class SmolPlan:
     context_len: int = 64  # prompt tokens kept before each answer in a training sequence
     continuation_len: int = 128
     batch_size: int = 32
-    # features and training use every window_stride-th training sequence (greedy and sampled
-    # answers alike): the target's pass over the windows costs about as much as generating them
-    window_stride: int = 1
+    # features and training use the first `windows` training sequences (None: all): every greedy
+    # answer comes first, then the sampled ones. The target's pass over the windows costs about
+    # as much as generating them, and a prefix keeps the feature chunks a longer run computed.
+    windows: Optional[int] = None
     sample_temperature: float = 0.7
     sample_top_p: float = 0.9
     # drafter: hidden 576 and the vocabulary are the target's (shared embedding and head)
@@ -94,10 +95,10 @@ class SmolPlan:
 
 FULL = SmolPlan(name="full")
 # What one 3-hour session builds beside its other work (the drafter shipped in the package): the
-# same prompts and answers, a third of the windows and 800 steps. The features pass took
-# ~45 s per 32 windows and a step ~2-3 s, so FULL's 1974 windows and 2000 steps need a session of
-# their own (docs/smollm2.md).
-SESSION = dataclasses.replace(FULL, name="session", window_stride=3, drafter_steps=800)
+# same prompts, every greedy answer and 293 sampled ones (1280 windows), 500 steps, answers of
+# 96 tokens in the evaluation. Beside that work the features pass took ~43 s per 32 windows, so
+# FULL's 1974 windows and 2000 steps need a session of their own (docs/smollm2.md).
+SESSION = dataclasses.replace(FULL, name="session", windows=1280, drafter_steps=500, eval_max_tokens=96)
 # Every stage end to end in about a minute: a handful of prompts and tokens, a few steps. It runs
 # the target's question-writing pass but keeps none of its questions: a random tiny target
 # writes no question marks.
