@@ -172,7 +172,7 @@ def demo_command(
     panel shows the text (DFlash 2's colored per verify cycle), tokens, decode tok/s and elapsed
     time; the end shows the speedup, the acceptance length and the acceptance rate per draft
     position. With no arguments it runs the default pair (SmolLM2 and its drafter when installed, else
-    the embedded tiny pair, on its own demo request).
+    the embedded tiny pair, each on its own demo request).
     """
     from dataclasses import replace
 
@@ -196,6 +196,11 @@ def demo_command(
         from dflash2_mlx.assets import DEMO_REQUEST
 
         prompt = DEMO_REQUEST
+    elif prompt is None:
+        from dflash2_mlx.models.named import named_model
+
+        known = named_model(choice.target)
+        prompt = known.demo_request if known is not None else None
     if prompt is not None:
         line = {"prompt": prompt} if ignore_chat_template else {"messages": [{"role": "user", "content": prompt}]}
     else:

@@ -27,6 +27,8 @@ class NamedModel:
     drafter: Optional[str] = None
     # chat defaults (generation_config.json keys) for `chat` and `serve`, where the file has none
     generation_config: Optional[dict] = None
+    # what `dflash2-mlx demo` asks it by default: a request it answers correctly and ends
+    demo_request: Optional[str] = None
 
 
 NAMED_MODELS: dict[str, NamedModel] = {
@@ -42,6 +44,10 @@ NAMED_MODELS: dict[str, NamedModel] = {
             drafter="smollm2_drafter_path",
             # the sampling SmolLM2's model card uses for its instruct model; answers of a chat's length
             generation_config={"do_sample": True, "temperature": 0.2, "top_p": 0.9, "max_new_tokens": 512},
+            # the issue's first check of the model: greedily a correct `[::-1]` function, a two-line
+            # explanation and the end of its turn, 56 tokens (the Fibonacci request of the built-in
+            # set runs past 256 tokens into a recursive helper)
+            demo_request="Write a Python function that reverses a string.",
         ),
     )
 }
