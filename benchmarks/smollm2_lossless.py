@@ -11,7 +11,8 @@ once plainly (``generate_autoregressive``) and once speculatively (``generate_sp
 each block size (``auto``: the break-even controller, which calibrates the pair's costs at its
 first use and may choose plain steps), stopping at the end-of-turn token or ``--max-tokens``.
 Prints one row per prompt (kind, prompt and generated tokens; per block size: identical or not and
-the acceptance length, tokens per speculative cycle) and exits with status 1 on any mismatch.
+the acceptance length, tokens per speculative cycle, and how many plain steps the controller
+chose) and exits with status 1 on any mismatch.
 """
 
 from __future__ import annotations
@@ -88,7 +89,8 @@ def main() -> int:
                 result["first_difference"] = at
                 failures.append(f"prompt {i} ({p['kind']}), block {name}: first difference at token {at}")
             row["by_block"][name] = result
-            cells.append(f"{'yes' if same else 'NO'} {stats.acceptance_length:.2f}")
+            plain_steps = f" ({stats.plain_steps} plain steps)" if stats.plain_steps else ""
+            cells.append(f"{'yes' if same else 'NO'} {stats.acceptance_length:.2f}{plain_steps}")
         rows.append(row)
         table.append(cells)
         print(
