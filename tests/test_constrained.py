@@ -533,7 +533,7 @@ def test_constrained_speculative_sampling_matches_the_constrained_joint_distribu
     """The first three tokens (prefill's, then a cycle's drafts, accept/reject and bonus, all under
     the grammar's masks) follow the exact constrained joint distribution (G-test at ALPHA), with
     DFlash 2's drafts masked by the grammar (q over the allowed candidates) or not."""
-    from test_sampling import ALPHA, g_test_pvalue
+    from dflash2_mlx.diagnostics.distribution import ALPHA, g_test_pvalue
 
     eos, mask = tiny.write_letters_tokenizer(tmp_path)
     tokenizer = tiny.load_tokenizer(tmp_path)

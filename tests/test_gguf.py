@@ -417,6 +417,38 @@ def test_smollm2_answers_the_capital_of_france_greedily(smollm2):
     assert "Paris" in text
 
 
+@pytest.mark.slow
+def test_smollm2_greedy_speculative_output_equals_plain_with_the_plans_untrained_drafter(smollm2, tmp_path):
+    """Issue 30's pair in the shape it will ship (the build plan's drafter, here untrained, saved and
+    loaded as a checkpoint): greedy speculative output equals plain decoding on chat prompts. The
+    untrained drafter is rarely accepted, so the same drafter's weights also run as an oracle that
+    accepts 7, 0, 3 and 5 drafts in its first cycles (KV trim after every accepted count kind)."""
+    from dflash2_mlx.models.loading import load_drafter, validate_pair
+    from dflash2_mlx.training.smollm2_plan import FULL
+    from dflash2_mlx.training.smollm2_stages import save_untrained_drafter
+
+    drafter = load_drafter(str(save_untrained_drafter(FULL, smollm2, tmp_path / "drafter")))
+    validate_pair(smollm2.runner, drafter.config, smollm2.name)
+    tok, runner, block = smollm2.tokenizer, smollm2.runner, drafter.config.block_size
+    settings = GenerationSettings(max_tokens=24, block_size=block, stop_token_ids=[2])
+    for text in ("Write a function that reverses a string.", "Explain what a Python list is."):
+        prompt = tok.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True)
+        plain = [t for e in generate_autoregressive(runner, prompt, settings) for t in e.tokens]
+        events = list(generate_speculative(runner, drafter, prompt, settings))
+        assert [t for e in events for t in e.tokens] == plain, text
+        assert sum(e.accepted is not None for e in events) > 0  # speculative cycles ran
+    corrupt, pos, wanted = set(), len(prompt), [7, 0, 3, 5]
+    for a in wanted:  # corrupting position s+1+a makes the cycle starting at s accept exactly a
+        if a < block - 1:
+            corrupt.add(pos + 1 + a)
+        pos += a + 1
+    oracle = tiny.OracleDrafter(drafter.config, list(prompt) + plain, corrupt)
+    oracle.load_weights(tree_flatten(drafter.parameters()))
+    events = list(generate_speculative(runner, oracle, prompt, settings))
+    assert [t for e in events for t in e.tokens] == plain
+    assert [e.accepted for e in events if e.accepted is not None][: len(wanted)] == wanted
+
+
 # -- the commands ----------------------------------------------------------------------------------
 
 

@@ -15,25 +15,8 @@ import tiny
 from dflash2_mlx.decoding.sampling import SamplingSettings, probabilities, rejection_step
 from dflash2_mlx.decoding.speculative import generate_speculative
 from dflash2_mlx.decoding.types import GenerationSettings
+from dflash2_mlx.diagnostics.distribution import ALPHA, exact_joint, g_test_pvalue
 from dflash2_mlx.models.target import TargetRunner
-
-ALPHA = 1e-3
-
-
-def g_test_pvalue(counts: np.ndarray, expected_p: np.ndarray) -> float:
-    """G-test of counts against expected probabilities, pooling cells expected below 5."""
-    from scipy.stats import chi2
-
-    n = counts.sum()
-    expected = expected_p * n
-    small = expected < 5
-    if small.any():
-        counts = np.append(counts[~small], counts[small].sum())
-        expected = np.append(expected[~small], expected[small].sum())
-    nz = counts > 0
-    g = 2.0 * np.sum(counts[nz] * np.log(counts[nz] / expected[nz]))
-    # a pooled bucket with zero expected mass would have g = inf: impossible outcomes seen
-    return float(chi2.sf(g, df=max(len(counts) - 1, 1)))
 
 
 def _first_emitted(draft, p, q, candidates=None):
@@ -110,21 +93,14 @@ def test_rejection_step_detects_a_wrong_sampler():
 
 def _exact_joint(runner, prompt, n_tokens, sampling, vocab):
     """P(t1..tn | prompt) for every sequence, from the target's processed distributions."""
+
+    def next_probs(generated):
+        logits, _ = runner(mx.array([list(prompt) + list(generated)]), runner.make_cache())
+        return np.array(probabilities(logits[0, -1:], sampling))[0]
+
     table = np.zeros((vocab,) * n_tokens)
-
-    def walk(prefix, mass):
-        depth = len(prefix) - len(prompt)
-        logits, _ = runner(mx.array([prefix]), runner.make_cache())
-        p = np.array(probabilities(logits[0, -1:], sampling))[0]
-        for t in range(vocab):
-            if p[t] == 0:
-                continue
-            if depth + 1 == n_tokens:
-                table[tuple(prefix[len(prompt) :] + [t])] = mass * p[t]
-            else:
-                walk(prefix + [t], mass * p[t])
-
-    walk(list(prompt), 1.0)
+    for seq, p in exact_joint(next_probs, n_tokens).cells.items():
+        table[seq] = p
     return table
 
 

@@ -39,7 +39,9 @@ __all__ = [
     "generate_continuations",
     "load_features",
     "load_sequences",
+    "save_untrained_drafter",
     "train",
+    "training_config",
 ]
 
 
@@ -172,6 +174,48 @@ def drafter_bytes(drafter_dir: Path) -> int:
     return sum(p.stat().st_size for p in Path(drafter_dir).glob("*.safetensors"))
 
 
+def training_config(plan: SmolPlan, target, stop_at_step: Optional[int] = None):
+    """The trainer's DrafterTrainingConfig for the plan's drafter (taps checked against ``target``)."""
+    from dflash2_mlx.training.drafter_training_config import DrafterTrainingConfig
+
+    taps = list(plan.drafter_taps)
+    last = len(target.runner.layers) - 1
+    if last in taps or max(taps) > last:
+        raise ValueError(f"drafter taps {taps} must be layers of the target below its last one ({last})")
+    return DrafterTrainingConfig(
+        block_size=plan.drafter_block_size,
+        layers=plan.drafter_layers,
+        steps=plan.drafter_steps,
+        seed=plan.seed,
+        convs=True,
+        selector=True,
+        target_layer_ids=taps,
+        stop_at_step=stop_at_step,
+        **plan.drafter_options,
+    )
+
+
+def save_untrained_drafter(plan: SmolPlan, target, out: Path) -> Path:
+    """The plan's drafter as the trainer starts it (its initialisation, no training step) in ``out``
+    (config.json + model.safetensors): a stand-in with the trained drafter's shapes, taps, block
+    size and mask token, for developing what will run on the trained one. Its drafts are rarely
+    accepted, so it exercises the rejection paths, not the speed."""
+    import mlx.core as mx
+    from mlx.utils import tree_flatten
+
+    from dflash2_mlx.training.drafter_init import init_drafter, make_drafter_config
+
+    cfg = training_config(plan, target)
+    drafter = init_drafter(make_drafter_config(target, cfg), cfg)
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    buffer = out / "model.partial.safetensors"
+    mx.save_safetensors(str(buffer), dict(sorted(tree_flatten(drafter.parameters()))))
+    buffer.replace(out / "model.safetensors")
+    atomic_write_bytes(out / "config.json", (json.dumps(drafter.config.to_dict(), indent=2) + "\n").encode())
+    return out
+
+
 def train(
     plan: SmolPlan,
     target,
@@ -185,23 +229,8 @@ def train(
     """Train (or resume training) the drafter in ``out_dir`` on ``sequences`` with soft targets
     (``features``: the target's taps of ``sequences`` computed before, see ``load_features``)."""
     from dflash2_mlx.training.drafter_trainer import train_drafter
-    from dflash2_mlx.training.drafter_training_config import DrafterTrainingConfig
 
-    taps = list(plan.drafter_taps)
-    last = len(target.runner.layers) - 1
-    if last in taps or max(taps) > last:
-        raise ValueError(f"drafter taps {taps} must be layers of the target below its last one ({last})")
-    cfg = DrafterTrainingConfig(
-        block_size=plan.drafter_block_size,
-        layers=plan.drafter_layers,
-        steps=plan.drafter_steps,
-        seed=plan.seed,
-        convs=True,
-        selector=True,
-        target_layer_ids=taps,
-        stop_at_step=stop_at_step,
-        **plan.drafter_options,
-    )
+    cfg = training_config(plan, target, stop_at_step)
     t0 = time.perf_counter()
     train_drafter(
         target, sequences, out_dir, cfg, continuation_start=plan.context_len, progress=progress, features=features
