@@ -3,7 +3,8 @@
 The runner walks the model's own layers and calls their sub-modules; it never patches mlx-lm.
 Gated DeltaNet layers (Qwen3.5 / Qwen3.8 hybrids) are walked step by step, computing exactly what
 ``GatedDeltaNet.__call__`` computes, so that a verify pass can record the recurrence's inputs for
-rollback (see ``caches/target.py``). Their gated attention layers are walked too
+rollback (see ``caches/target.py``). Their gated attention layers, and the attention layers of
+Llama / Mistral, Qwen2 and Qwen3 models (what GGUF targets load as), are walked too
 (``attention_layers.py``), so that everything but the KV cache update and the attention itself runs
 compiled; other attention layers are called as they are. Tests pin the walked layers to mlx-lm's
 own forward, bit for bit.
@@ -198,9 +199,11 @@ class TargetRunner:
         module = attn.rope
         if type(module) is not nn.RoPE or module.traditional or not device.cpu_paths():
             return None
-        key = (module.dims, module.base, module.scale, attn.head_dim)
+        # qwen2 and qwen3 keep no head_dim: their RoPE spans the whole head
+        head_dim = getattr(attn, "head_dim", module.dims)
+        key = (module.dims, module.base, module.scale, head_dim)
         if key not in self._rope_tables:
-            self._rope_tables[key] = rope.RopeTable(module, attn.head_dim, module.dims)
+            self._rope_tables[key] = rope.RopeTable(module, head_dim, module.dims)
         return self._rope_tables[key]
 
     def weights_t(self, i: int, rows: int = 1) -> dict:
