@@ -4,10 +4,11 @@ The runner compiles these layers' halves around the KV cache update (models/atte
 Here tiny float32 models of each kind run through the runner and through mlx-lm's own model call
 (with its own KV caches) side by side: a prefill longer than a compiled pass, one-row steps, verify
 passes of every block size 2..16 with tapped features, each rolled back by KV trim to a random
-accepted count, as a decode loop does. With the weights' transposed views the two are equal bit for
-bit, on the CPU paths and on the GPU paths; with row-major weight copies (the CPU's default for
-float32 weights) one-row steps still are, and block passes agree within float rounding (a GEMM over
-a copy sums in another order). Speculative decoding then equals plain decoding token for token.
+accepted count, as a decode loop does. With the weights' transposed views (the default, except
+for float32 weights with OpenBLAS) the two are equal bit for bit, on the CPU paths and on the GPU
+paths; with row-major weight copies one-row steps still are, and block passes agree within float
+rounding (a GEMM over a copy sums in another order). Speculative decoding then equals plain
+decoding token for token.
 """
 
 from __future__ import annotations
@@ -127,13 +128,13 @@ def test_walked_layers_with_weight_views_are_mlx_lms_forward_bit_for_bit(target,
 
 
 def test_with_row_major_weight_copies_steps_stay_exact_and_blocks_within_rounding(target):
-    """The CPU default for float32 weights: block passes multiply by row-major copies (OpenBLAS
-    would otherwise repack each transposed view), which round differently; one-row steps, which
-    plain decoding takes, multiply by the views as mlx-lm does. The KV entries a block pass wrote
-    then differ by rounding too, so only the first step is compared exactly."""
+    """The CPU default for float32 weights with OpenBLAS: block passes multiply by row-major
+    copies (OpenBLAS would otherwise repack each transposed view), which round differently;
+    one-row steps, which plain decoding takes, multiply by the views as mlx-lm does. The KV
+    entries a block pass wrote then differ by rounding too, so only the first step is compared
+    exactly."""
     _, model = target
-    runner = TargetRunner(model)
-    assert runner.block_weight_copies  # float32 on the CPU
+    runner = TargetRunner(model, block_weight_copies=True)
     reference, cache = MlxLm(model), runner.make_cache()
     prompt, step = mx.array([list(range(40, 60))]), mx.array([[7]])
     equal(runner(prompt, cache, TAPS), reference(prompt, TAPS), "prefill")
