@@ -13,7 +13,9 @@ decoding token for token.
 
 from __future__ import annotations
 
+import io
 import random
+import re
 
 import mlx.core as mx
 import numpy as np
@@ -177,3 +179,34 @@ def test_layers_the_walk_does_not_know_are_called_as_they_are():
     reference, cache = MlxLm(model), runner.make_cache()
     for chunk in (mx.array([list(range(30, 50))]), mx.array([[3, 4, 5]]), mx.array([[6]])):
         equal(runner(chunk, cache, TAPS), reference(chunk, TAPS), f"{chunk.shape[1]} rows")
+
+
+def op_count(*outputs: mx.array) -> int:
+    """Primitives MLX would run to compute ``outputs`` (as tests/test_op_budget.py counts them)."""
+    dot = io.StringIO()
+    mx.export_to_dot(dot, *outputs)
+    return len(re.findall(r'label ="([A-Za-z]+)', dot.getvalue()))
+
+
+# a one-row step on the CPU paths: 57 ops per walked llama layer (141 called as mlx-lm's module),
+# 13 for the embedding, mask and head (MLX 0.32.4); budgets with a little room
+OPS_PER_LAYER, OPS_OUTSIDE_LAYERS = 60, 20
+
+
+def test_a_walked_step_runs_a_few_dozen_ops_per_layer():
+    """On the CPU every op costs 5-25 us whatever its size, so op counts are what the walk saves
+    (exact and deterministic, unlike timings), and they pin it against a change that quietly
+    brings back mlx-lm's uncompiled layer."""
+    model = tiny.build_target(config("llama"), seed=0, scale=3.0)
+    runner = TargetRunner(model)
+    cache = runner.make_cache()
+    mx.eval(runner(mx.array([list(range(20))]), cache)[0])
+    snapshot = cache.snapshot()
+    counts = []
+    for _ in range(2):  # the first call of a compiled function traces it; count what later calls run
+        cache.restore(snapshot)
+        logits, _ = runner(mx.array([[5]]), cache)
+        out = mx.argmax(logits[:, -1], axis=-1)
+        counts.append(op_count(out))
+        mx.eval(out)
+    assert counts[-1] <= OPS_PER_LAYER * LAYERS + OPS_OUTSIDE_LAYERS
