@@ -1,6 +1,7 @@
 """The verify cost curve: one target pass over B tokens against one pass over 1 token, B = 1..16.
 
-    python benchmarks/verify_cost.py [--model smollm2] [--context 256] [--rounds 7] [--json out.json]
+    python benchmarks/verify_cost.py [--model smollm2] [--context 256] [--rounds 7] [--weight-copies auto]
+                                     [--json out.json]
 
 Measured with the project's own runner (``TargetRunner``, as a verify pass calls it: with the
 drafter's tapped layers), after a prefill of ``--context`` tokens; each pass is rolled back by
@@ -8,7 +9,8 @@ trimming the KV cache, so every pass sees the same context. Each round visits ev
 shuffled order, and times a 1-token pass right before each B-token pass: the ratio reported is the
 median over rounds of those adjacent pairs' t(B) / t(1). Contention from other processes only adds
 time, so the ratio of the fastest passes, min t(B) / min t(1), is printed beside it. On a CPU a
-GGUF target runs in float32.
+GGUF target runs in float32. ``--weight-copies on|off`` forces the runner's row-major weight copies
+for block-sized passes on or off (``auto``: where ``blas.row_major_copies_pay`` says they pay).
 """
 
 from __future__ import annotations
@@ -31,15 +33,19 @@ def main(argv=None) -> int:
     ap.add_argument("--context", type=int, default=256, help="tokens in the cache before each pass")
     ap.add_argument("--max-block", type=int, default=16)
     ap.add_argument("--rounds", type=int, default=7)
+    ap.add_argument("--weight-copies", choices=["auto", "on", "off"], default="auto")
     ap.add_argument("--json", type=Path)
     args = ap.parse_args(argv)
 
     import mlx.core as mx
 
     from dflash2_mlx.models.loading import load_target
+    from dflash2_mlx.models.target import TargetRunner
 
     target = load_target(args.model)
     runner = target.runner
+    if args.weight_copies != "auto":
+        runner = TargetRunner(runner.model, block_weight_copies=args.weight_copies == "on")
     taps = [1, runner.num_layers // 2, runner.num_layers - 2]  # a drafter's usual spread of taps
     rng = random.Random(0)
     vocab = runner.vocab_size or 1000
@@ -72,7 +78,8 @@ def main(argv=None) -> int:
             ratios[b].append(this / one)
     rows = []
     fastest_one = min(times[1])
-    print(f"{target.name}: {runner.num_layers} layers, context {args.context}, {args.rounds} rounds")
+    copies = "row-major copies" if runner.block_weight_copies else "weight views"
+    print(f"{target.name}: {runner.num_layers} layers, context {args.context}, {args.rounds} rounds, {copies}")
     print(f"{'B':>3} {'ms (min)':>9} {'ms (median)':>12} {'paired t(B)/t(1)':>17} {'spread':>12} {'min/min':>8}")
     for b in blocks:
         ratio, fastest = statistics.median(ratios[b]), min(times[b]) / fastest_one

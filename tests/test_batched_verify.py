@@ -26,7 +26,10 @@ from dflash2_mlx.decoding.types import GenerationSettings
 from dflash2_mlx.models import target as target_module
 from dflash2_mlx.models.target import TargetRunner
 
-ATOL = 1e-4  # as the rollback tests: a block pass against rows fed one by one
+# a block pass against rows fed one by one (as the rollback tests), but a batch of N blocks is one
+# matmul of N x S rows: with weight views and oneMKL, an 18-row and a 1-row matmul round apart by
+# up to 1.4e-4 in the logits here
+ATOL = 2e-4
 TAPS = [0, 2]
 
 

@@ -177,6 +177,10 @@ def reference_blas_warning() -> Optional[str]:
 # [256 -> 448] 109 -> 38 us, [448 -> 256] 113 -> 42 us, [256 -> 1024] 333 -> 182 us; a third of a
 # verify pass's stream-thread time was that packing. The copies double the dense weights' memory,
 # so they are kept for float32 weights on the CPU only, up to this many bytes in all.
+# oneMKL multiplies the transposed views without that cost: measured here (same process,
+# interleaved), copies made SmolLM2-135M's verify passes of 4 / 8 / 16 rows 21% / 22% / 13% slower
+# and 2 rows 14-31% slower; on the embedded pair, target passes of 4..16 rows 1-6% faster but 2 rows
+# 24% slower, its drafter's 8-row step 4% faster. So with oneMKL the views are kept.
 ROW_MAJOR_COPIES_MAX_BYTES = 1 << 30
 
 
@@ -189,7 +193,8 @@ def transposed(weight, row_major: bool):
 
 
 def row_major_copies_pay(weights) -> bool:
-    """Whether multi-row matmuls should use row-major copies of these (dense) weights."""
+    """Whether multi-row matmuls should use row-major copies of these (dense) weights: float32
+    on the CPU, within the memory bound, unless oneMKL runs the matmuls (see above)."""
     import mlx.core as mx  # not at module level: OpenBLAS must be loaded before mlx.core
 
     from dflash2_mlx.backend import device
@@ -197,6 +202,7 @@ def row_major_copies_pay(weights) -> bool:
     weights = list(weights)
     return (
         device.cpu_paths()
+        and loaded != "mkl"
         and bool(weights)
         and all(w.dtype == mx.float32 for w in weights)
         and sum(w.nbytes for w in weights) <= ROW_MAJOR_COPIES_MAX_BYTES

@@ -6,7 +6,7 @@ op costs 5-15 us whatever its size (the main thread wakes the stream thread once
 Apple GPUs every op is a kernel launch, so at small widths a draft's time is its op count.
 
 - Weights enter pre-transposed (no transpose per matmul): as row-major copies where
-  ``blas.row_major_copies_pay`` (float32 on the CPU, where OpenBLAS would otherwise repack a
+  ``blas.row_major_copies_pay`` (float32 on the CPU with OpenBLAS, which would otherwise repack a
   transposed weight on every multi-row matmul), else as views. ``Drafter`` marks them stale
   whenever its parameters are updated, and they are rebuilt before the next step.
 - q_norm and k_norm run as one norm over the block's query and key heads, and RoPE once over

@@ -3,9 +3,11 @@
 The runner walks the model's own layers and calls their sub-modules; it never patches mlx-lm.
 Gated DeltaNet layers (Qwen3.5 / Qwen3.8 hybrids) are walked step by step, computing exactly what
 ``GatedDeltaNet.__call__`` computes, so that a verify pass can record the recurrence's inputs for
-rollback (see ``caches/target.py``). Their gated attention layers are walked too, so that everything but
-the KV cache update and the attention itself runs compiled; other attention layers are called as
-they are. Tests pin the walked layers to mlx-lm's own forward, bit for bit.
+rollback (see ``caches/target.py``). Their gated attention layers, and the attention layers of
+Llama / Mistral, Qwen2 and Qwen3 models (what GGUF targets load as), are walked too
+(``attention_layers.py``), so that everything but the KV cache update and the attention itself runs
+compiled; other attention layers are called as they are. Tests pin the walked layers to mlx-lm's
+own forward, bit for bit.
 
 Supported: mlx-lm models whose text stack is ``<model>.layers`` with ``embed_tokens`` and
 ``norm`` (Qwen3.5-architecture hybrids, Qwen3, Qwen2, Llama, Mistral and similar).
@@ -19,14 +21,14 @@ from typing import Callable, Optional
 import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
-from mlx_lm.models.activations import swiglu
 from mlx_lm.models.base import create_attention_mask, scaled_dot_product_attention
 from mlx_lm.models.gated_delta import compute_g, gated_delta_update, normalize_qk
-from mlx_lm.models.qwen3_next import Qwen3NextAttention, Qwen3NextMLP
 
 from dflash2_mlx.backend import blas, device
 from dflash2_mlx.caches.target import RecurrentInputs, TargetCache, rollback_setting
 from dflash2_mlx.fastpaths import rope
+from dflash2_mlx.models import attention_layers
+from dflash2_mlx.models.attention_layers import mlp, project
 
 
 class UnsupportedModel(ValueError):
@@ -83,34 +85,9 @@ def _keeps_step_states(gdn: nn.Module, steps: int) -> bool:
 COMPILED_MAX_ROWS = 16
 
 
-def _submodule(layer: nn.Module, path: str) -> nn.Module:
-    for name in path.split("."):
-        layer = getattr(layer, name)
-    return layer
-
-
-def _project(x: mx.array, layer: nn.Module, path: str, weights_t: Optional[dict]) -> mx.array:
-    """``linear(x)`` for the projection at ``path``; with its weight's transposed view given, the
-    same matmul nn.Linear runs (same inputs, same strides: bit for bit), minus the transpose op
-    nn.Linear adds on every call. Other projections (quantized, ...) are called as they are."""
-    weight_t = weights_t.get(path) if weights_t else None
-    linear = _submodule(layer, path)
-    if weight_t is None:
-        return linear(x)
-    return mx.addmm(linear["bias"], x, weight_t) if "bias" in linear else x @ weight_t
-
-
 def _rows_matmul(x: mx.array, weight_t: mx.array) -> mx.array:
     """x [..., H] @ weight_t [H, O] on 2-D rows (a matmul on N-D input adds two reshape ops)."""
     return (x.reshape(-1, x.shape[-1]) @ weight_t).reshape(*x.shape[:-1], -1)
-
-
-def _mlp(layer: nn.Module, x: mx.array, weights_t: Optional[dict]) -> mx.array:
-    """The layer's MLP; mlx-lm's Qwen3NextMLP (down(swiglu(gate, up))) with transposed views."""
-    if type(layer.mlp) is not Qwen3NextMLP or not weights_t:
-        return layer.mlp(x)
-    gate, up = _project(x, layer, "mlp.gate_proj", weights_t), _project(x, layer, "mlp.up_proj", weights_t)
-    return _project(swiglu(gate, up), layer, "mlp.down_proj", weights_t)
 
 
 def gated_delta_with_states(q, k, v, a, b, A_log, dt_bias, state, keep: bool = True):
@@ -199,10 +176,10 @@ class TargetRunner:
         self.max_context = int(getattr(args, "max_position_embeddings", 0) or 0) or None
         self._tied = getattr(args, "tie_word_embeddings", False) or not hasattr(self.outer, "lm_head")
         self._attention_index = self.kinds.index("attention") if "attention" in self.kinds else None
-        # Qwen3.5/3.8 gated attention layers are walked (compiled around the KV cache update);
-        # other attention layers are called as they are
-        self._walked_attention = [
-            kind == "attention" and type(layer.self_attn) is Qwen3NextAttention and type(layer.mlp) is Qwen3NextMLP
+        # attention layers mlx-lm's classes we know are walked (compiled around the KV cache
+        # update, see attention_layers.py): "gated" or "plain"; None: called as they are
+        self._walked = [
+            attention_layers.walked_kind(layer) if kind == "attention" else None
             for layer, kind in zip(self.layers, self.kinds)
         ]
         # (i, keeps step states) -> compiled gated_delta_layer; ("attention", i) -> the two halves
@@ -222,9 +199,11 @@ class TargetRunner:
         module = attn.rope
         if type(module) is not nn.RoPE or module.traditional or not device.cpu_paths():
             return None
-        key = (module.dims, module.base, module.scale, attn.head_dim)
+        # qwen2 and qwen3 keep no head_dim: their RoPE spans the whole head
+        head_dim = getattr(attn, "head_dim", module.dims)
+        key = (module.dims, module.base, module.scale, head_dim)
         if key not in self._rope_tables:
-            self._rope_tables[key] = rope.RopeTable(module, attn.head_dim, module.dims)
+            self._rope_tables[key] = rope.RopeTable(module, head_dim, module.dims)
         return self._rope_tables[key]
 
     def weights_t(self, i: int, rows: int = 1) -> dict:
@@ -349,8 +328,8 @@ class TargetRunner:
         for i, (layer, kind) in enumerate(zip(self.layers, self.kinds)):
             if kind == "gdn":
                 h = self._gated_delta_layer(i, layer, h, cache[i], record)
-            elif self._walked_attention[i]:
-                h = self._gated_attention_layer(i, layer, h, mask, cache[i], rope_rows)
+            elif self._walked[i]:
+                h = self._attention_layer(i, layer, h, mask, cache[i], rope_rows)
             else:
                 h = layer(h, mask=mask, cache=cache[i])
             if i in wanted:
@@ -362,10 +341,10 @@ class TargetRunner:
         features = mx.concatenate([tapped[i] for i in taps], axis=-1) if taps else None
         return logits, features
 
-    def _gated_attention_layer(self, i: int, layer: nn.Module, h: mx.array, mask, cache, rope_rows: dict) -> mx.array:
-        """A Qwen3.5/3.8 gated attention decoder layer: the projections before and the output gate
-        and MLP after the KV cache update run compiled (one trace per row count), the cache
-        update and the attention itself as mlx-lm does them."""
+    def _attention_layer(self, i: int, layer: nn.Module, h: mx.array, mask, cache, rope_rows: dict) -> mx.array:
+        """A walked attention decoder layer: the half before the KV cache update (norm,
+        projections, RoPE) and the half after it (output projection, MLP, residuals) run compiled
+        (one trace per row count), the cache update and the attention itself as mlx-lm does them."""
         offset = mx.array(cache.offset, dtype=mx.int32)
         table = self._rope_table(layer.self_attn)
         rows = ()
@@ -373,20 +352,22 @@ class TargetRunner:
             if table not in rope_rows:
                 rope_rows[table] = _pass_rope_rows(table, cache, h.shape[1])
             rows = rope_rows[table]
+        inputs, output = attention_layers.HALVES[self._walked[i]]
         if h.shape[1] <= COMPILED_MAX_ROWS:
             before, after = self._compiled.get(("attention", i), (None, None))
             if before is None:
-                before = mx.compile(partial(gated_attention_inputs, layer), inputs=layer.state)
-                after = mx.compile(partial(gated_attention_output, layer), inputs=layer.state)
+                before = mx.compile(partial(inputs, layer), inputs=layer.state)
+                after = mx.compile(partial(output, layer), inputs=layer.state)
                 self._compiled[("attention", i)] = (before, after)
         else:
-            before, after = partial(gated_attention_inputs, layer), partial(gated_attention_output, layer)
+            before, after = partial(inputs, layer), partial(output, layer)
         weights_t = self.weights_t(i, h.shape[1])
-        queries, keys, values, gate = before(h, offset, weights_t, rows)
+        # queries, keys, values and, for gated attention, the output gate (passed on to ``after``)
+        queries, keys, values, *rest = before(h, offset, weights_t, rows)
         keys, values = cache.update_and_fetch(keys, values)
         attn = layer.self_attn
         out = scaled_dot_product_attention(queries, keys, values, cache=cache, scale=attn.scale, mask=mask)
-        return after(h, out, gate, weights_t)
+        return after(h, out, *rest, weights_t)
 
     def _gated_delta_layer(self, i: int, layer: nn.Module, h: mx.array, cache, record) -> mx.array:
         """One Gated DeltaNet decoder layer; updates its cache and, with ``record``, appends what
@@ -452,10 +433,10 @@ def gated_delta_layer(
     B, S, H = h.shape
     rows = h.reshape(B * S, H)  # 2-D rows: each projection is then one matmul, no reshapes around it
     x = layer.input_layernorm(rows)
-    qkv = _project(x, layer, "linear_attn.in_proj_qkv", weights_t).reshape(B, S, -1)
-    z = _project(x, layer, "linear_attn.in_proj_z", weights_t).reshape(B, S, gdn.num_v_heads, gdn.head_v_dim)
-    b = _project(x, layer, "linear_attn.in_proj_b", weights_t).reshape(B, S, -1)
-    a = _project(x, layer, "linear_attn.in_proj_a", weights_t).reshape(B, S, -1)
+    qkv = project(x, layer, "linear_attn.in_proj_qkv", weights_t).reshape(B, S, -1)
+    z = project(x, layer, "linear_attn.in_proj_z", weights_t).reshape(B, S, gdn.num_v_heads, gdn.head_v_dim)
+    b = project(x, layer, "linear_attn.in_proj_b", weights_t).reshape(B, S, -1)
+    a = project(x, layer, "linear_attn.in_proj_a", weights_t).reshape(B, S, -1)
     conv_input = mx.concatenate([conv_state, qkv], axis=1)
     conv_out = nn.silu(gdn.conv1d(conv_input))
     q, k, v = gated_delta_qkv(gdn, conv_out)
@@ -470,41 +451,6 @@ def gated_delta_layer(
             q, k, v, a, b, gdn.A_log, gdn.dt_bias, state, None, use_kernel=not gdn.training
         )
     out = gdn.norm(out, z)
-    rows = rows + _project(out.reshape(B * S, -1), layer, "linear_attn.out_proj", weights_t)
-    rows = rows + _mlp(layer, layer.post_attention_layernorm(rows), weights_t)
+    rows = rows + project(out.reshape(B * S, -1), layer, "linear_attn.out_proj", weights_t)
+    rows = rows + mlp(layer, layer.post_attention_layernorm(rows), weights_t)
     return rows.reshape(B, S, H), (conv_input, q, k, v, a, b), new_state, states
-
-
-def gated_attention_inputs(
-    layer: nn.Module, h: mx.array, offset: mx.array, weights_t: Optional[dict] = None, rope_rows: tuple = ()
-):
-    """The first half of mlx-lm's Qwen3NextAttention.__call__ (inside a DecoderLayer) for rows
-    ``h`` [1, L, H] at positions offset.. -> roped queries and keys, values, the output gate.
-    With ``rope_rows`` (cos, sin of those positions, ``TargetRunner._rope_table``) RoPE is
-    computed from them, bit for bit what the layer's nn.RoPE computes, in fewer ops."""
-    attn = layer.self_attn
-    B, L, H = h.shape
-    x = layer.input_layernorm(h.reshape(B * L, H))  # 2-D rows: one matmul per projection
-    queries = _project(x, layer, "self_attn.q_proj", weights_t)
-    queries, gate = mx.split(queries.reshape(B, L, attn.num_attention_heads, -1), 2, axis=-1)
-    gate = gate.reshape(B, L, -1)
-    keys = _project(x, layer, "self_attn.k_proj", weights_t)
-    values = _project(x, layer, "self_attn.v_proj", weights_t)
-    queries = attn.q_norm(queries).transpose(0, 2, 1, 3)
-    keys = attn.k_norm(keys.reshape(B, L, attn.num_key_value_heads, -1)).transpose(0, 2, 1, 3)
-    values = values.reshape(B, L, attn.num_key_value_heads, -1).transpose(0, 2, 1, 3)
-    if rope_rows:
-        return rope.apply(queries, *rope_rows), rope.apply(keys, *rope_rows), values, gate
-    return attn.rope(queries, offset=offset), attn.rope(keys, offset=offset), values, gate
-
-
-def gated_attention_output(
-    layer: nn.Module, h: mx.array, attention: mx.array, gate: mx.array, weights_t: Optional[dict] = None
-) -> mx.array:
-    """The rest of the decoder layer: output gate and projection, residual, MLP, residual."""
-    B, L, H = h.shape
-    out = attention.transpose(0, 2, 1, 3).reshape(B * L, -1)
-    out = _project(out * mx.sigmoid(gate.reshape(B * L, -1)), layer, "self_attn.o_proj", weights_t)
-    rows = h.reshape(B * L, H) + out
-    rows = rows + _mlp(layer, layer.post_attention_layernorm(rows), weights_t)
-    return rows.reshape(B, L, H)
