@@ -449,6 +449,30 @@ def test_smollm2_greedy_speculative_output_equals_plain_with_the_plans_untrained
     assert [e.accepted for e in events if e.accepted is not None][: len(wanted)] == wanted
 
 
+@pytest.mark.slow
+def test_smollm2_with_its_shipped_drafter_accepts_drafts_and_equals_plain_decoding(smollm2):
+    """The trained drafter the package ships (issue 30): on held-out requests, greedy speculative
+    output is plain decoding's, and the drafter is accepted (its drafts are worth verifying). The
+    package's own test of its shipped assets (tests/test_default_pair.py) fails when it is missing."""
+    from dflash2_mlx.models.loading import load_drafter, validate_pair
+
+    shipped = named.shipped_drafter("smollm2")
+    assert shipped is not None, "dflash2_mlx/assets/smollm2-drafter is missing"
+    drafter = load_drafter(str(shipped))
+    validate_pair(smollm2.runner, drafter.config, smollm2.name)
+    tok, runner = smollm2.tokenizer, smollm2.runner
+    settings = GenerationSettings(max_tokens=32, block_size=drafter.config.block_size, stop_token_ids=[2])
+    cycles = emitted = 0
+    for line in (shipped / "heldout_prompts.jsonl").read_text().splitlines()[:2]:
+        prompt = tok.apply_chat_template(json.loads(line)["messages"], add_generation_prompt=True)
+        plain = [t for e in generate_autoregressive(runner, prompt, settings) for t in e.tokens]
+        events = list(generate_speculative(runner, drafter, prompt, settings))
+        assert [t for e in events for t in e.tokens] == plain
+        spec = [e for e in events if e.accepted is not None]
+        cycles, emitted = cycles + len(spec), emitted + sum(len(e.tokens) for e in spec)
+    assert emitted / cycles > 1.2  # acceptance length; the untrained stand-in gets 1.0
+
+
 # -- the commands ----------------------------------------------------------------------------------
 
 

@@ -23,6 +23,21 @@ from dflash2_mlx.cli.common import (
     sampling_settings,
 )
 
+# the held-out prompts a drafter build writes beside the drafter (training/build_smollm2_drafter.py)
+HELDOUT_FILE = "heldout_prompts.jsonl"
+
+
+def heldout_prompts(model: str) -> list[dict]:
+    """The prompts held out from the training of a named model's shipped drafter (the file its
+    build writes beside it), as bench lines; [] when there are none."""
+    from dflash2_mlx.diagnostics import bench
+    from dflash2_mlx.models.named import shipped_drafter
+
+    drafter = shipped_drafter(model)
+    if drafter is None or not (drafter / HELDOUT_FILE).is_file():
+        return []
+    return bench.read_prompts(drafter / HELDOUT_FILE)
+
 
 def bench_command(
     model: Optional[str] = model_option(),
@@ -32,8 +47,8 @@ def bench_command(
         None,
         "--prompts",
         help='JSON-lines prompt file: {"prompt": "..."} per line (fed as is) or '
-        '{"messages": [...]} (chat template applied). Default: the built-in set (the embedded pair\'s '
-        "own prompts when running the embedded pair).",
+        '{"messages": [...]} (chat template applied). Default: the pair\'s own set (the embedded '
+        "pair's prompts; the prompts held out from the training of smollm2's drafter), else a built-in one.",
     ),
     max_tokens: int = typer.Option(256, "--max-tokens", help="Tokens generated per prompt and mode."),
     temp: float = typer.Option(0.0, "--temp", help="Sampling temperature; 0 is greedy (then `identical` is checked)."),
@@ -82,7 +97,9 @@ def bench_command(
         if prompts is not None:
             lines = bench.read_prompts(prompts)
         else:
-            lines = (embedded_prompts() if choice.embedded else []) or list(bench.BUILTIN_PROMPTS)
+            lines = (embedded_prompts() if choice.embedded else heldout_prompts(choice.target)) or list(
+                bench.BUILTIN_PROMPTS
+            )
     except bench.PromptFileError as e:
         fail(str(e))
     if limit is not None:
