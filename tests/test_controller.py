@@ -236,3 +236,22 @@ def test_the_controller_imports_nothing_of_the_decoding_loop():
         if name.startswith(".") or name.startswith("dflash2_mlx")
     }
     assert not {m for m in package_modules if m.split(".")[0] in ("engine", "decoding")}, package_modules
+
+
+def test_a_calibration_request_ends_when_its_schedule_has_run_once(plain_target):
+    # max_tokens is sized for a pair that accepts every draft; a drafter that is never accepted
+    # (random weights) must not run the schedule over and over until it is spent
+    import tiny
+
+    from dflash2_mlx.decoding.sampling import SamplingSettings
+    from dflash2_mlx.decoding.speculative import run_calibration_request
+    from dflash2_mlx.policies.block_size import ScheduledBlocks, calibration_schedule
+
+    cfg, model = plain_target
+    runner = tiny.runner_for(model)
+    drafter = tiny.build_drafter(tiny.drafter_config(cfg, version=2, block_size=8))
+    schedule = calibration_schedule(drafter.config.block_size)
+    policy = ScheduledBlocks(schedule)
+    run_calibration_request(runner, drafter, SamplingSettings(), [3, 4, 5, 6], policy, sum(schedule) + 1)
+    assert policy.finished
+    assert len(schedule) <= len(policy.observed) <= len(schedule) + 1

@@ -266,6 +266,11 @@ class ScheduledBlocks:
         self.observed.append((block_size, accepted))
         self.tally.add("speculative" if block_size > 1 else "plain", block_size, accepted + 1)
 
+    @property
+    def finished(self) -> bool:
+        """Every cycle of the schedule ran once (a calibration request may stop here)."""
+        return len(self.observed) >= len(self.schedule)
+
     def summary(self) -> dict:
         return {"policy": "schedule", **self.tally.as_dict(), "last_switch": None}
 
@@ -400,8 +405,9 @@ class BreakEvenController:
         }
 
 
-# Runs one short speculative request: (prompt, policy, max tokens) -> None. The decoding side passes
-# it in (decoding.speculative.run_calibration_request), so that the policy never imports the loop.
+# Runs one short speculative request: (prompt, policy, max tokens) -> None, ending it as soon as the
+# policy (a ScheduledBlocks) is ``finished``. The decoding side passes it in
+# (decoding.speculative.run_calibration_request), so that the policy never imports the loop.
 RunRequest = Callable[[Sequence[int], BlockPolicy, int], None]
 
 
@@ -411,7 +417,9 @@ def calibrate(runner, drafter, costs: CostTable, run_request: RunRequest) -> Non
     prompt = [(7 * i + 3) % runner.vocab_size for i in range(16)]
     schedule = calibration_schedule(drafter.config.block_size)
     timed = _Timings(schedule)
-    for policy in (ScheduledBlocks(sorted(set(schedule))), timed):  # a warm-up, then the timed run
+    # a warm-up, then the timed run; each request ends when its schedule has run once
+    # (``ScheduledBlocks.finished``): max_tokens only bounds a pair that accepts every draft
+    for policy in (ScheduledBlocks(sorted(set(schedule))), timed):
         run_request(prompt, policy, sum(policy.schedule) + 1)
     sizes = sorted(timed.samples)
     medians = monotone([statistics.median(timed.samples[b]) for b in sizes])
