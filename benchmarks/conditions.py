@@ -1,6 +1,6 @@
 """Where does speculation pay? One table over pair x temperature x prompt x mode.
 
-    python benchmarks/conditions.py [--draft-model D [--model M]] [--limit 4] [--max-tokens 96]
+    python benchmarks/conditions.py [--draft-model D [--model M] [--prompts F]] [--limit 4] [--max-tokens 96]
                                     [--long 3000] [--temps 0,0.7,1.0] [--repeats 3] [--json out.json]
 
 - pair: the embedded pair, plus the pair given by --model / --draft-model (--draft-model alone:
@@ -120,31 +120,39 @@ def main(argv=None) -> int:
     ap.add_argument("--repeats", type=int, default=3, help="rounds of every mode on every prompt (median)")
     ap.add_argument("--json", type=Path, default=None)
     ap.add_argument("--skip-embedded", action="store_true", help="only the --draft-model pair")
+    ap.add_argument(
+        "--prompts",
+        type=Path,
+        default=None,
+        help="the --draft-model pair's prompt set (bench's JSON lines; default: the embedded pair's prompts)",
+    )
     args = ap.parse_args(argv)
 
     sys.path.insert(0, str(Path(__file__).parent))
     from long_context import held_out_tokens
 
     from dflash2_mlx.cli.common import embedded_pair, embedded_prompts, encode_line
+    from dflash2_mlx.diagnostics.bench import read_prompts
     from dflash2_mlx.models.loading import load_drafter, load_target
 
     embedded = embedded_pair()
-    pairs = [] if args.skip_embedded else [("embedded", str(embedded[0]), str(embedded[1]))]
+    pairs = [] if args.skip_embedded else [("embedded", str(embedded[0]), str(embedded[1]), embedded_prompts())]
     if args.draft_model:
         pairs.append(
             (
                 f"{Path(args.model or 'embedded target').name} + {Path(args.draft_model).name}",
                 args.model or str(embedded[0]),
                 args.draft_model,
+                read_prompts(args.prompts) if args.prompts else embedded_prompts(),
             )
         )
     temps = [float(t) for t in args.temps.split(",")]
     report = {"settings": vars(args) | {"json": str(args.json) if args.json else None}, "cells": []}
-    for name, target_path, drafter_path in pairs:
+    for name, target_path, drafter_path, lines in pairs:
         target, drafter = load_target(target_path), load_drafter(drafter_path)
         tok = target.tokenizer
         prompt_sets = {
-            f"prompt set ({args.limit})": [encode_line(tok, line) for line in embedded_prompts()[: args.limit]],
+            f"prompt set ({args.limit})": [encode_line(tok, line) for line in lines[: args.limit]],
             f"long ({args.long} tokens)": [held_out_tokens(tok, args.long)],
         }
         for temperature in temps:
