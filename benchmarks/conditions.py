@@ -147,7 +147,8 @@ def main(argv=None) -> int:
             )
         )
     temps = [float(t) for t in args.temps.split(",")]
-    report = {"settings": vars(args) | {"json": str(args.json) if args.json else None}, "cells": []}
+    paths = {k: str(v) if v is not None else None for k, v in vars(args).items() if k in ("json", "prompts")}
+    report = {"settings": vars(args) | paths, "cells": []}
     for name, target_path, drafter_path, lines in pairs:
         target, drafter = load_target(target_path), load_drafter(drafter_path)
         tok = target.tokenizer
