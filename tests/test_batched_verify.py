@@ -116,13 +116,11 @@ def _oracle(cfg, continuation, corrupt, seed=1):
 
 def _forcing(prompt_len, block, total):
     """Corrupted positions that make cycle after cycle accept 0, 1, .., block-1 drafts, then again."""
-    corrupt, pos, a = set(), prompt_len, 0
+    accepts, pos, a = [], prompt_len, 0
     while pos < prompt_len + total:
-        if a < block - 1:
-            corrupt.add(pos + 1 + a)
-        pos += a + 1
-        a = (a + 1) % block
-    return corrupt
+        accepts.append(a)
+        pos, a = pos + a + 1, (a + 1) % block
+    return tiny.corrupted_for(prompt_len, accepts, block)
 
 
 @pytest.mark.slow

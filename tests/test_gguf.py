@@ -350,12 +350,8 @@ def test_speculative_decoding_is_lossless_on_a_llama_gguf_with_every_accepted_co
     ]
     vocab = target.config["vocab_size"]
     dcfg = tiny.drafter_config(target.config, version=2, block_size=16, taps=[0, 1], mask_token_id=vocab - 1)
-    corrupt, pos, wanted = set(), len(prompt), list(range(block))
-    for a in wanted:  # corrupting position s+1+a makes the cycle starting at s accept exactly a
-        if a < block - 1:
-            corrupt.add(pos + 1 + a)
-        pos += a + 1
-    drafter = tiny.OracleDrafter(dcfg, prompt + plain, corrupt)
+    wanted = list(range(block))
+    drafter = tiny.OracleDrafter(dcfg, prompt + plain, tiny.corrupted_for(len(prompt), wanted, block))
     drafter.load_weights(tree_flatten(tiny.build_drafter(dcfg).parameters()))
     events = list(
         generate_speculative(runner, drafter, prompt, GenerationSettings(max_tokens=n_tokens, block_size=block))
@@ -437,12 +433,8 @@ def test_smollm2_greedy_speculative_output_equals_plain_with_the_plans_untrained
         events = list(generate_speculative(runner, drafter, prompt, settings))
         assert [t for e in events for t in e.tokens] == plain, text
         assert sum(e.accepted is not None for e in events) > 0  # speculative cycles ran
-    corrupt, pos, wanted = set(), len(prompt), [7, 0, 3, 5]
-    for a in wanted:  # corrupting position s+1+a makes the cycle starting at s accept exactly a
-        if a < block - 1:
-            corrupt.add(pos + 1 + a)
-        pos += a + 1
-    oracle = tiny.OracleDrafter(drafter.config, list(prompt) + plain, corrupt)
+    wanted = [7, 0, 3, 5]
+    oracle = tiny.OracleDrafter(drafter.config, list(prompt) + plain, tiny.corrupted_for(len(prompt), wanted, block))
     oracle.load_weights(tree_flatten(drafter.parameters()))
     events = list(generate_speculative(runner, oracle, prompt, settings))
     assert [t for e in events for t in e.tokens] == plain

@@ -200,14 +200,9 @@ def _forced_accepted_counts(target, block, plain_greedy, version=2):
     plain = plain_greedy(target, prompt, 16 * 17 + 4)[:n_tokens]  # one decode serves every B
     assert len(plain) == n_tokens
     continuation = prompt + plain
-    # cycle c starts at committed position s; corrupting s+1+a makes exactly a accepted
     dcfg = tiny.drafter_config(cfg, version=version, block_size=16)
-    corrupt, pos, wanted = set(), len(prompt), list(range(block))
-    for a in wanted:
-        if a < block - 1:
-            corrupt.add(pos + 1 + a)
-        pos += a + 1
-    drafter = tiny.OracleDrafter(dcfg, continuation, corrupt)
+    wanted = list(range(block))
+    drafter = tiny.OracleDrafter(dcfg, continuation, tiny.corrupted_for(len(prompt), wanted, block))
     drafter.load_weights(tree_flatten(tiny.build_drafter(dcfg).parameters()))
     events = list(generate_speculative(runner, drafter, prompt, settings))
     assert _tokens(events) == plain

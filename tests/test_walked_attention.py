@@ -155,12 +155,7 @@ def test_speculative_decoding_equals_plain_decoding_with_every_accepted_count(ta
         t for e in generate_autoregressive(runner, prompt, GenerationSettings(max_tokens=n_tokens)) for t in e.tokens
     ]
     dcfg = tiny.drafter_config(cfg, version=2, block_size=block, taps=TAPS)
-    corrupt, pos = set(), len(prompt)
-    for a in wanted:  # corrupting position s+1+a makes the cycle starting at s accept exactly a
-        if a < block - 1:
-            corrupt.add(pos + 1 + a)
-        pos += a + 1
-    drafter = tiny.OracleDrafter(dcfg, prompt + plain, corrupt)
+    drafter = tiny.OracleDrafter(dcfg, prompt + plain, tiny.corrupted_for(len(prompt), wanted, block))
     drafter.load_weights(tree_flatten(tiny.build_drafter(dcfg).parameters()))
     settings = GenerationSettings(max_tokens=n_tokens, block_size=block)
     events = list(generate_speculative(runner, drafter, prompt, settings))

@@ -244,6 +244,18 @@ def load_tokenizer(path: Path):
     return load(path)
 
 
+def corrupted_for(start: int, accepts: list[int], block: int) -> set[int]:
+    """The positions an ``OracleDrafter`` must corrupt so that its cycles, the first drafting after
+    committed position ``start``, accept exactly ``accepts`` drafts in turn (corrupting s+1+a makes
+    the cycle starting at s accept a; a full block, a = block - 1, corrupts nothing)."""
+    corrupt, pos = set(), start
+    for a in accepts:
+        if a < block - 1:
+            corrupt.add(pos + 1 + a)
+        pos += a + 1
+    return corrupt
+
+
 class OracleDrafter(Drafter):
     """A real drafter whose proposals are replaced by a known continuation, corrupted on purpose.
 

@@ -107,13 +107,7 @@ def bench_command(
     block_size = parse_block_size(block_size)
     target, drafter = load_models(choice, block_size)
     tokenizer = target.tokenizer
-    settings = decode_settings(
-        tokenizer,
-        max_tokens,
-        sampling,
-        seed,
-        block_size,
-    )
+    settings = decode_settings(tokenizer, max_tokens, sampling, seed, block_size)
     err = Console(stderr=True)
 
     def progress(i: int, r: dict) -> None:

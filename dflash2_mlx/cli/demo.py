@@ -211,13 +211,7 @@ def demo_command(
     if "messages" in line and not getattr(tokenizer, "chat_template", None):
         line = {"prompt": line["messages"][-1]["content"]}
     ids = encode_line(tokenizer, line)
-    settings = decode_settings(
-        tokenizer,
-        max_tokens,
-        sampling,
-        seed,
-        block_size,
-    )
+    settings = decode_settings(tokenizer, max_tokens, sampling, seed, block_size)
     console = Console(highlight=False)
     shown = line["prompt"] if "prompt" in line else line["messages"][-1]["content"]
     console.print(f"[bold]prompt[/bold] ({len(ids)} tokens): ", end="")
