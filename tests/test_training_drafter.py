@@ -20,7 +20,14 @@ from dflash2_mlx.models.drafter_config import DFLASH1, DFLASH2
 from dflash2_mlx.models.loading import load_drafter, load_target
 from dflash2_mlx.models.selector import top_k_candidates
 from dflash2_mlx.training.data import generate_training_sequences, sample_windows
-from dflash2_mlx.training.drafter_batches import anchor_range, batch_indices, block_arrays, loss_weights, sample_anchors
+from dflash2_mlx.training.drafter_batches import (
+    anchor_range,
+    answer_ends,
+    batch_indices,
+    block_arrays,
+    loss_weights,
+    sample_anchors,
+)
 from dflash2_mlx.training.drafter_checkpoint import STATE_DIR, load_checkpoint_state
 from dflash2_mlx.training.drafter_eval import evaluate_drafter, greedy_walk_correct, simulated_cycles
 from dflash2_mlx.training.drafter_init import default_target_layer_ids, init_drafter, make_drafter_config
@@ -137,6 +144,27 @@ def test_anchor_sampling_inside_the_generated_part_with_room_for_the_block():
     assert len(sample_anchors(np.random.default_rng(0), 10, B, 5, 0)) == 5  # 2 choices: drawn with replacement
     with pytest.raises(ValueError, match="no room for a block"):
         anchor_range(15, B, 12)
+
+
+def test_anchors_stop_at_the_end_of_the_answer_so_the_text_after_it_is_never_drafted():
+    seq_len, start, end_ids = 40, 12, [2, 0]
+    sequences = np.full((3, seq_len), 7, dtype=np.int32)
+    sequences[0, 20] = 2  # the answer ends at 20 (a 0 before the start is prompt, not an end)
+    sequences[0, 5] = 0
+    sequences[1, 12] = 0  # ends at once
+    ends = answer_ends(sequences, start, end_ids)
+    assert ends.tolist() == [20, 12, seq_len]  # the third never ends: its whole length
+    assert answer_ends(sequences, start, []).tolist() == [seq_len] * 3
+    seen = set()
+    for s in range(200):
+        seen |= set(sample_anchors(np.random.default_rng(s), seq_len, B, 4, start, int(ends[0])).tolist())
+    assert seen == set(range(12, 20))  # the last anchor's first row predicts the end token
+    assert set(sample_anchors(np.random.default_rng(0), seq_len, B, 3, start, int(ends[1])).tolist()) == {12}
+    # no end: the same draws as without the setting
+    np.testing.assert_array_equal(
+        sample_anchors(np.random.default_rng(3), seq_len, B, 6, start, int(ends[2])),
+        sample_anchors(np.random.default_rng(3), seq_len, B, 6, start),
+    )
 
 
 def test_batches_cover_every_sequence_once_per_epoch():

@@ -8,10 +8,13 @@ exactly what an uninterrupted one would.
 
 from __future__ import annotations
 
+from typing import Optional
+
 import numpy as np
 
 __all__ = [
     "anchor_range",
+    "answer_ends",
     "batch_indices",
     "block_arrays",
     "loss_weights",
@@ -49,11 +52,32 @@ def anchor_range(seq_len: int, block_size: int, continuation_start: int) -> tupl
     return lo, hi
 
 
+def answer_ends(sequences: np.ndarray, continuation_start: int, end_token_ids) -> np.ndarray:
+    """[n] position of each sequence's first end token at or after ``continuation_start`` (its
+    length when there is none, or no end tokens are given)."""
+    n, seq_len = sequences.shape
+    ends = np.full(n, seq_len, dtype=np.int64)
+    if len(end_token_ids):
+        is_end = np.isin(sequences[:, continuation_start:], np.asarray(end_token_ids))
+        found = is_end.any(axis=1)
+        ends[found] = continuation_start + is_end.argmax(axis=1)[found]
+    return ends
+
+
 def sample_anchors(
-    rng: np.random.Generator, seq_len: int, block_size: int, count: int, continuation_start: int
+    rng: np.random.Generator,
+    seq_len: int,
+    block_size: int,
+    count: int,
+    continuation_start: int,
+    answer_end: Optional[int] = None,
 ) -> np.ndarray:
-    """``count`` sorted anchor positions for one sequence (distinct when there are enough)."""
+    """``count`` sorted anchor positions for one sequence (distinct when there are enough). With
+    ``answer_end`` (the position of the answer's end token) no anchor lies at or after it, so the
+    block's first row at the latest predicts the end token itself."""
     lo, hi = anchor_range(seq_len, block_size, continuation_start)
+    if answer_end is not None:
+        hi = max(lo, min(hi, int(answer_end) - 1))
     choices = hi - lo + 1
     picks = rng.choice(choices, size=count, replace=count > choices)
     return np.sort(picks + lo).astype(np.int32)

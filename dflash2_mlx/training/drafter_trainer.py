@@ -91,6 +91,7 @@ from dflash2_mlx.backend.progress import ProgressBar
 from dflash2_mlx.models.drafter_config import DrafterConfig
 from dflash2_mlx.training.drafter_batches import (
     anchor_range,
+    answer_ends,
     batch_indices,
     block_arrays,
     loss_weights,
@@ -144,11 +145,18 @@ def train_drafter(
     if runner.vocab_size and (sequences.min() < 0 or sequences.max() >= runner.vocab_size):
         raise ValueError(f"sequences hold token ids outside the target's vocabulary (size {runner.vocab_size})")
     fingerprint = data_fingerprint(sequences, continuation_start)
+    ends = answer_ends(sequences, continuation_start, config.answer_end_token_ids)
 
     previous = load_checkpoint_state(out_dir)
     if previous is not None:
         old = previous.get("config", {})
-        changed = sorted(k for k, v in config_record(config).items() if k not in RESUMABLE_CHANGES and old.get(k) != v)
+        # a setting added after the run started reads as its default (the run trained with it)
+        defaults = config_record(DrafterTrainingConfig())
+        changed = sorted(
+            k
+            for k, v in config_record(config).items()
+            if k not in RESUMABLE_CHANGES and old.get(k, defaults.get(k)) != v
+        )
         if changed:
             raise ValueError(
                 f"{out_dir} holds a run with other settings ({', '.join(changed)}); resume it with the same "
@@ -274,9 +282,14 @@ def train_drafter(
             anchors = np.stack(
                 [
                     sample_anchors(
-                        rng, seq_len, drafter_config.block_size, config.blocks_per_sequence, continuation_start
+                        rng,
+                        seq_len,
+                        drafter_config.block_size,
+                        config.blocks_per_sequence,
+                        continuation_start,
+                        ends[i] if config.answer_end_token_ids else None,
                     )
-                    for _ in idx
+                    for i in idx
                 ]
             )
             blocks, labels, preds = block_arrays(

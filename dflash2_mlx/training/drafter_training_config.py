@@ -7,7 +7,7 @@ block size and says which of its fields a resumed run may change.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Optional
 
 from dflash2_mlx.models.drafter_config import DFLASH1, DFLASH2
@@ -62,6 +62,10 @@ class DrafterTrainingConfig:
     # its softmax: KL up to the target's entropy), the rest from the label; 0: labels only
     soft_target_weight: float = 0.0
     selector_grad_to_drafter: bool = False
+    # anchors only before the first of these tokens in the generated part (the end of the turn):
+    # a target's text after it ends its turn is never drafted, yet generated continuations of a
+    # fixed length keep it (SmolLM2's: about 30% of the tokens). Empty: anchors anywhere
+    answer_end_token_ids: list[int] = field(default_factory=list)
     selector_init_std: float = 0.1
     # machinery
     compile: bool = True
