@@ -126,7 +126,13 @@ def test_sampling_with_the_controller_matches_the_targets_joint_distribution(pol
         _joint_distribution_test(2, lambda: {}, n=400)
 
 
-def _joint_distribution_test(version, block_settings, n=1500):
+def test_sampling_with_a_draft_vocabulary_matches_the_targets_joint_distribution():
+    """A drafter scoring only some token ids (its draft vocabulary) proposes from q over those;
+    tokens outside it are never drafted, yet the target's joint distribution is kept."""
+    _joint_distribution_test(2, lambda: {"block_size": 3}, n=400, draft_vocab=[0, 2, 3, 4])
+
+
+def _joint_distribution_test(version, block_settings, n=1500, draft_vocab=None):
     vocab = 6
     cfg = tiny.hybrid_config(vocab=vocab, hidden=32)
     model = tiny.build_target(cfg, seed=3, scale=1.5)
@@ -137,6 +143,8 @@ def _joint_distribution_test(version, block_settings, n=1500):
     assert exact.sum() == pytest.approx(1.0, abs=1e-4)
     dcfg = tiny.drafter_config(cfg, version=version, block_size=4, mask_token_id=vocab - 1, top_k=3)
     drafter = tiny.build_drafter(dcfg, seed=5)
+    if draft_vocab is not None:
+        drafter.set_draft_vocab(mx.array(draft_vocab, dtype=mx.int32))
     counts = np.zeros_like(exact)
     accepted_any = 0
     # Each draw is a whole generation (~15-30 ms, nearly all per-op overhead; the engine decodes a

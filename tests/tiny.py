@@ -286,8 +286,10 @@ class OracleDrafter(Drafter):
         corrupt = mx.array([p in self.corrupt for p in range(known + rows + 1)])
         want = mx.take(table, pos)
         want = mx.where(mx.take(corrupt, pos), (want + 1 + pos % 7) % vocab, want)
-        # a few ops for the whole block, not three per row (a cycle costs mostly per-op overhead)
-        rows = mx.where(want[:, None] == mx.arange(vocab), 30.0, 0.0)
+        # a few ops for the whole block, not three per row (a cycle costs mostly per-op overhead);
+        # with a draft vocabulary the logits' columns are its ids (a token outside it cannot win)
+        column_ids = mx.arange(vocab) if self.draft_vocab is None else self.draft_vocab
+        rows = mx.where(want[:, None] == column_ids, 30.0, 0.0)
         return 0.01 * real + rows[None]
 
 

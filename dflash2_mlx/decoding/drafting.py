@@ -160,6 +160,9 @@ class Drafting:
         self.runner, self.drafter, self.feed, self.variant, self.profiler = runner, drafter, feed, variant, profiler
         cfg = drafter.config
         self.mask_id, self.embedding_scale = cfg.mask_token_id, cfg.input_embedding_scale
+        # with a draft vocabulary the drafter's head is those rows of the target's (logits [.., V'])
+        vocab = drafter.draft_vocab
+        self.head = runner.lm_head if vocab is None else runner.head_rows(vocab)
         # A plain step's (empty) draft, made once: on this machine's CPU every op costs a few
         # microseconds of the cores the target's step runs on, and plain steps are most of a
         # request where speculation does not pay (the controller then must not cost speed).
@@ -176,7 +179,7 @@ class Drafting:
         if self.embedding_scale != 1.0:
             block_embeds = block_embeds * self.embedding_scale
         hidden = self.drafter(block_embeds, None, self.feed.context)[:, 1:]  # [1, R, H]
-        draft_logits = self.drafter.logits(hidden, self.runner.lm_head)  # [1, R, V]
+        draft_logits = self.drafter.logits(hidden, self.head)  # [1, R, V] (V': a draft vocabulary)
         # Start computing the draft while Python builds the selector's and the verify pass's
         # graphs (mlx is lazy: without this nothing runs until the cycle's one host sync).
         mx.async_eval(hidden, draft_logits)

@@ -149,6 +149,10 @@ class DrafterLayer(nn.Module):
         return x + h
 
 
+# the checkpoint tensor holding a draft vocabulary's token ids (``Drafter.set_draft_vocab``)
+DRAFT_VOCAB_KEY = "draft_vocab"
+
+
 class Drafter(nn.Module):
     """A DFlash (v1) or DFlash 2 drafter; parameter names match the checkpoint layout."""
 
@@ -180,6 +184,28 @@ class Drafter(nn.Module):
         # (``drafter_precision``): inputs are cast to it and logits come back in it
         self.activation_dtype: Optional[mx.Dtype] = None
         self._target_dtype: Optional[mx.Dtype] = None  # the target's activations (its embeddings')
+        self._draft_vocab: Optional[mx.array] = None  # set_draft_vocab (not a parameter)
+
+    @property
+    def draft_vocab(self) -> Optional[mx.array]:
+        """The token ids [V'] the drafter scores (sorted), or None for the whole vocabulary."""
+        return self._draft_vocab
+
+    def set_draft_vocab(self, token_ids: Optional[mx.array]) -> None:
+        """Score only ``token_ids`` (sorted, distinct, in the vocabulary; DFlash 2 only).
+
+        The drafter's head is the target's; on a small target that head is most of a draft's cost
+        (SmolLM2: 49152 x 576, a fifth of its weights, read once per draft), while its answers use
+        a few thousand distinct tokens. Scoring only those is lossless: verification takes what the
+        drafter proposes with the probabilities it proposed them, whatever they are; a token outside
+        the draft vocabulary simply cannot be drafted. The logits handed to the selector then have
+        one column per draft-vocabulary id, and the selector maps its candidates back to token ids.
+        """
+        if token_ids is not None and not self.config.is_dflash2:
+            raise ValueError("a draft vocabulary needs a DFlash 2 drafter (its selector maps the ids back)")
+        self._draft_vocab = token_ids
+        if self.config.is_dflash2:
+            self.candidate_selector.set_vocab_ids(token_ids)
 
     def make_cache(self) -> ContextCache:
         # a tentative write is one verify pass's rows: at most a block

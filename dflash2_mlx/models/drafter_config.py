@@ -55,6 +55,9 @@ class DrafterConfig:
     conv_group_size: int = 0
     selector_rank: int = 0
     selector_top_k: int = 0
+    # DFlash 2 only: the drafter scores only these many token ids (the checkpoint's
+    # ``draft_vocab``), so its head reads a slice of the target's (0: the whole vocabulary)
+    draft_vocab_size: int = 0
     target_name: Optional[str] = None
     dtype: str = "bfloat16"
 
@@ -146,6 +149,7 @@ class DrafterConfig:
                 conv_group_size=int(get("conv_group_size", 0) or 0),
                 selector_rank=int(get("selector_rank", 0) or 0),
                 selector_top_k=int(get("selector_top_k", 0) or 0),
+                draft_vocab_size=int(get("draft_vocab_size", 0) or 0),
                 target_name=get("target_model") or get("target_name_or_path"),
                 dtype=str(cfg.get("dtype") or cfg.get("torch_dtype") or "bfloat16"),
             )
@@ -157,6 +161,14 @@ class DrafterConfig:
                     raise ConfigError(f"DFlash2DraftModel config needs dflash_config.{name} > 0")
             if config.hidden_size % config.conv_group_size:
                 raise ConfigError("hidden_size is not a multiple of dflash_config.conv_group_size")
+            vocab = config.draft_vocab_size
+            if vocab and not config.selector_top_k <= vocab <= config.vocab_size:
+                raise ConfigError(
+                    f"dflash_config.draft_vocab_size {config.draft_vocab_size} must lie between selector_top_k "
+                    f"({config.selector_top_k}) and vocab_size ({config.vocab_size})"
+                )
+        elif config.draft_vocab_size:
+            raise ConfigError("dflash_config.draft_vocab_size is a DFlash 2 option (its selector maps the ids)")
         if config.block_size < 2:
             raise ConfigError(f"block_size must be at least 2, got {config.block_size}")
         return config
@@ -175,6 +187,8 @@ class DrafterConfig:
                 selector_rank=self.selector_rank,
                 selector_top_k=self.selector_top_k,
             )
+            if self.draft_vocab_size:
+                dflash["draft_vocab_size"] = self.draft_vocab_size
         if self.input_embedding_scale != 1.0:
             dflash["input_embedding_scale"] = self.input_embedding_scale
         if self.output_multiplier != 1.0:

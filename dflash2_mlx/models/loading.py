@@ -18,7 +18,7 @@ import mlx.nn as nn
 from mlx.utils import tree_flatten
 
 from dflash2_mlx.caches.target import rollback_setting
-from dflash2_mlx.models.drafter import Drafter
+from dflash2_mlx.models.drafter import DRAFT_VOCAB_KEY, Drafter
 from dflash2_mlx.models.drafter_config import ARCHITECTURES as DRAFTER_ARCHITECTURES
 from dflash2_mlx.models.drafter_config import ConfigError, DrafterConfig
 from dflash2_mlx.models.drafter_precision import ActivationChoice, apply_activations, choose_activations
@@ -221,6 +221,7 @@ def load_drafter(path_or_repo: str, activations: Optional[ActivationChoice] = No
             f"directory that holds its weights"
         )
     weights = _load_safetensors(files)
+    draft_vocab = _draft_vocab(path, config, weights.pop(DRAFT_VOCAB_KEY, None))
     drafter = Drafter(config)
     quant = raw.get("quantization")
     if quant:
@@ -249,8 +250,34 @@ def load_drafter(path_or_repo: str, activations: Optional[ActivationChoice] = No
     drafter.eval()
     mx.eval(drafter.parameters())
     apply_activations(drafter, activations)
+    drafter.set_draft_vocab(draft_vocab)
     drafter.path = path
     return drafter
+
+
+def _draft_vocab(path: Path, config: DrafterConfig, ids: Optional[mx.array]) -> Optional[mx.array]:
+    """The checkpoint's draft vocabulary (``draft_vocab``, its config's ``draft_vocab_size`` ids),
+    checked: sorted, distinct token ids inside the vocabulary."""
+    size = config.draft_vocab_size
+    if ids is None and not size:
+        return None
+    fix = "the drafter's draft_vocab and config.json disagree; re-download the drafter or rewrite its draft vocabulary"
+    if ids is None or not size:
+        have = "no draft_vocab tensor" if ids is None else "a draft_vocab tensor"
+        raise LoadError(f"draft model {path}: its weights hold {have} but draft_vocab_size is {size}; {fix}")
+    if ids.ndim != 1 or ids.shape[0] != size or not mx.issubdtype(ids.dtype, mx.integer):
+        raise LoadError(
+            f"draft model {path}: draft_vocab has shape {tuple(ids.shape)} and dtype {ids.dtype}, expected "
+            f"({size},) integers; {fix}"
+        )
+    ids = ids.astype(mx.int32)
+    increasing = size == 1 or bool(mx.all(ids[1:] > ids[:-1]).item())
+    if not increasing or int(ids[0].item()) < 0 or int(ids[-1].item()) >= config.vocab_size:
+        raise LoadError(
+            f"draft model {path}: draft_vocab must hold distinct token ids in increasing order inside the "
+            f"vocabulary (0..{config.vocab_size - 1}); {fix}"
+        )
+    return ids
 
 
 def validate_pair(runner: TargetRunner, config: DrafterConfig, target_name: Optional[str] = None) -> None:

@@ -209,6 +209,9 @@ def preflight(
                 return None
             drafter_shape, drafter_weights = DrafterShape.from_config(found[0]), found[1]
             drafter_quantized = "quantization" in found[0]
+            # a draft vocabulary's head: a copy of those rows of the target's head (float32 at most)
+            draft_vocab = int((found[0].get("dflash_config") or {}).get("draft_vocab_size") or 0)
+            drafter_weights += draft_vocab * int(found[0].get("hidden_size") or 0) * 4
         label = label or "this model pair"
     if drafter_shape is not None:  # on M1/M2 (or when forced) a 16-bit drafter is upcast to float32
         drafter_weights, drafter_shape = drafter_precision.planned_drafter_memory(

@@ -4,9 +4,15 @@ Row i's candidates are the top-k tokens of the drafter's logits for that row (th
 scores). Candidate b after predecessor a scores
 ``unary(b) + <predecessor_codebook[a] * hidden_projection(h_i), successor_codebook[b]>``;
 the walk starts at the anchor token (the last token the target emitted).
+
+With a draft vocabulary (``Drafter.set_draft_vocab``) the logits' columns are those token ids
+only; the candidates are mapped back to token ids before the codebooks are read, so everything
+after the top-k sees token ids as it does without one.
 """
 
 from __future__ import annotations
+
+from typing import Optional
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -15,8 +21,9 @@ from dflash2_mlx.kernels import dispatch as kernels
 from dflash2_mlx.kernels import reference
 
 
-def top_k_candidates(logits: mx.array, k: int) -> tuple[mx.array, mx.array]:
-    """Top-k token ids and their logits per row, highest logit first.
+def top_k_candidates(logits: mx.array, k: int, vocab_ids: Optional[mx.array] = None) -> tuple[mx.array, mx.array]:
+    """Top-k token ids and their logits per row, highest logit first. ``vocab_ids`` [V']: the
+    token id of each column of ``logits`` (None: column i is token i).
 
     Sorting the k survivors fixes the order the greedy walk breaks ties in (the first maximum,
     so among equal scores the higher unary logit wins); q is compared as a token -> probability
@@ -27,6 +34,8 @@ def top_k_candidates(logits: mx.array, k: int) -> tuple[mx.array, mx.array]:
     order = mx.argsort(-unary, axis=-1)
     candidates = mx.take_along_axis(candidates, order, axis=-1).astype(mx.int32)
     unary = mx.take_along_axis(unary, order, axis=-1)
+    if vocab_ids is not None:
+        candidates = vocab_ids[candidates]
     return candidates, unary
 
 
@@ -38,10 +47,15 @@ class CandidateSelector(nn.Module):
         # Plain arrays, not nn.Embedding: the checkpoint stores them without a `.weight` suffix.
         self.predecessor_codebook = mx.zeros((vocab_size, rank))
         self.successor_codebook = mx.zeros((vocab_size, rank))
+        self._vocab_ids: Optional[mx.array] = None  # the draft vocabulary (not a parameter)
+
+    def set_vocab_ids(self, vocab_ids: Optional[mx.array]) -> None:
+        """The token id of each column of the logits the selector is given (None: all of them)."""
+        self._vocab_ids = vocab_ids
 
     def greedy(self, hidden: mx.array, logits: mx.array, anchor: mx.array) -> mx.array:
         """hidden [N, R, H], logits [N, R, V], anchor [N] -> draft tokens [N, R]."""
-        candidates, unary = top_k_candidates(logits, self.top_k)
+        candidates, unary = top_k_candidates(logits, self.top_k, self._vocab_ids)
         return kernels.select_greedy(
             anchor,
             candidates,
@@ -54,7 +68,7 @@ class CandidateSelector(nn.Module):
     def pair_scores(self, hidden: mx.array, logits: mx.array, anchor: mx.array) -> tuple[mx.array, mx.array]:
         """hidden [N, R, H], logits [N, R, V], anchor [N] -> (candidates [N, R, k], pair scores
         [N, R, k, k]) for a walk done elsewhere (the grammar's, which skips refused candidates)."""
-        candidates, unary = top_k_candidates(logits, self.top_k)
+        candidates, unary = top_k_candidates(logits, self.top_k, self._vocab_ids)
         return candidates, reference.pair_scores(
             anchor,
             candidates,
@@ -78,7 +92,7 @@ class CandidateSelector(nn.Module):
         row's candidates given the sampled predecessor, with no top-p/top-k/min-p (as the
         references do); rejection sampling needs exactly that.
         """
-        candidates, unary = top_k_candidates(logits, self.top_k)
+        candidates, unary = top_k_candidates(logits, self.top_k, self._vocab_ids)
         tokens, q = kernels.select_sampled(
             anchor,
             candidates,

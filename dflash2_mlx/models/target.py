@@ -186,6 +186,7 @@ class TargetRunner:
         self._compiled: dict = {}
         self._weights_t: dict = {}  # layer or "head" -> (the weights they were taken from, views)
         self._rope_tables: dict = {}  # RoPE settings -> rope.RopeTable
+        self._head_rows: Optional[tuple] = None  # (token ids, head weight, head_rows' function)
         if block_weight_copies is None:
             block_weight_copies = blas.row_major_copies_pay(
                 m.weight for layer in self.layers for _, m in layer.named_modules() if type(m) is nn.Linear
@@ -259,6 +260,47 @@ class TargetRunner:
         bit for bit, without the transpose and reshape ops around it."""
         weight_t = self._head_weight_t()
         return self._head(hidden) if weight_t is None else _rows_matmul(hidden, weight_t)
+
+    def head_rows(self, token_ids: mx.array) -> Callable[[mx.array], mx.array]:
+        """A head scoring only ``token_ids`` [V']: hidden rows [..., H] -> logits [..., V'], equal
+        to ``lm_head(hidden)[..., token_ids]``. It reads a copy of those rows of the head's weight
+        (quantized rows stay quantized), made once for a given ``token_ids`` array and head weight
+        (every request of a server asks again): the drafter's head with a draft vocabulary
+        (``Drafter.set_draft_vocab``)."""
+        head = self._head_module
+        cached = self._head_rows
+        if cached is not None and cached[0] is token_ids and cached[1] is head["weight"]:
+            return cached[2]
+        fn = self._make_head_rows(head, token_ids)
+        self._head_rows = (token_ids, head["weight"], fn)
+        return fn
+
+    def _make_head_rows(self, head: nn.Module, token_ids: mx.array) -> Callable[[mx.array], mx.array]:
+        if type(head) in (nn.Linear, nn.Embedding) and "bias" not in head:
+            rows_t = head.weight[token_ids].T  # [H, V']
+            mx.eval(rows_t)
+            return lambda hidden: _rows_matmul(hidden, rows_t)
+        if type(head) in (nn.QuantizedLinear, nn.QuantizedEmbedding) and "bias" not in head:
+            weight, scales = head.weight[token_ids], head.scales[token_ids]
+            biases = head["biases"][token_ids] if "biases" in head else None
+            mx.eval([a for a in (weight, scales, biases) if a is not None])
+            mode = getattr(head, "mode", "affine")
+
+            def quantized_rows(hidden: mx.array) -> mx.array:
+                return mx.quantized_matmul(
+                    hidden,
+                    weight,
+                    scales,
+                    biases,
+                    transpose=True,
+                    group_size=head.group_size,
+                    bits=head.bits,
+                    mode=mode,
+                )
+
+            return quantized_rows
+        # any other head (a bias, a custom class): the whole head, then the columns
+        return lambda hidden: mx.take(self.lm_head(hidden), token_ids, axis=-1)
 
     @property
     def _head_module(self) -> nn.Module:

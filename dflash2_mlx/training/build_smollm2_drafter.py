@@ -253,6 +253,7 @@ class Build:
         config = json.loads((self.out / "config.json").read_text())
         config.update({"name": DRAFTER_NAME, "_name_or_path": DRAFTER_NAME})
         atomic_write_text(self.out / "config.json", json.dumps(config, indent=2) + "\n")
+        draft_vocab = self.draft_vocab(config["vocab_size"])
         manifest = {
             "name": DRAFTER_NAME,
             "target": {
@@ -277,6 +278,8 @@ class Build:
             "timings_seconds": {name: r.seconds for name, r in records.items()},
             "files": {name: sha256_file(self.out / name) for name in ("model.safetensors", "config.json")},
         }
+        if draft_vocab:
+            manifest["draft_vocab"] = draft_vocab
         # the held-out prompts in the shape `dflash2-mlx bench --prompts` reads, for the speed tables
         from dflash2_mlx.training.smollm2_prompts import read_prompt_set
 
@@ -288,6 +291,23 @@ class Build:
         atomic_write_text(self.out / "MANIFEST.json", json.dumps(manifest, indent=1) + "\n")
         atomic_write_text(self.out / "README.md", model_card(manifest))
         return manifest
+
+    def draft_vocab(self, vocab_size: int) -> Optional[dict]:
+        """Give the drafter in ``out`` its draft vocabulary, chosen from the target's continuations
+        (the training data): the record for MANIFEST.json, or None when the plan has none."""
+        from dflash2_mlx.training.draft_vocab import (
+            choose_draft_vocab,
+            continuation_token_counts,
+            vocab_record,
+            write_draft_vocab,
+        )
+
+        if not self.plan.draft_vocab_size:
+            return None
+        counts = continuation_token_counts([self.work / "continuations"], self.plan.context_len)
+        ids = choose_draft_vocab(counts, min(self.plan.draft_vocab_size, vocab_size), vocab_size)
+        write_draft_vocab(self.out, ids)
+        return vocab_record(counts, ids)
 
     def run(self, last_stage: str = STAGES[-1]) -> dict[str, StageRecord]:
         """Run the stages up to and including ``last_stage`` (finished ones are skipped)."""

@@ -26,6 +26,17 @@ def _number(value) -> str:
     return f"{value:.2f}" if isinstance(value, (int, float)) else "n/a"
 
 
+def _draft_vocab_line(record) -> str:
+    if not record:
+        return "It scores the whole vocabulary."
+    return (
+        f"Its head scores a draft vocabulary of {record['size']} token ids (`draft_vocab`): every one of the "
+        f"{record['distinct_training_tokens']} distinct tokens of the target's answers it was trained on, then the "
+        "lowest ids. A draft reads those rows of the target's head only; decoding stays lossless (a token outside "
+        "it is never drafted). The evaluation below drafts with the whole head."
+    )
+
+
 def model_card(manifest: dict) -> str:
     """The drafter's README.md: what it is, how it was built, how well it drafts, and the credit."""
     ev = manifest.get("stages", {}).get("evaluate", {}).get("outputs", {})
@@ -37,6 +48,7 @@ A DFlash 2 block drafter for **SmolLM2-135M-Instruct**, trained by this project'
 (`{manifest["command"]}`, build `{manifest["build"]}`). It shares the target's embedding and
 LM head (vocabulary 49152, hidden 576); {plan.get("drafter_layers")} layer(s), block size
 {plan.get("drafter_block_size")}, taps {plan.get("drafter_taps")} of the target's 30 layers.
+{_draft_vocab_line(manifest.get("draft_vocab"))}
 
 ## Target and credit
 
