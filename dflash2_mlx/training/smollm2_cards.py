@@ -31,9 +31,9 @@ def _draft_vocab_line(record) -> str:
         return "It scores the whole vocabulary."
     return (
         f"Its head scores a draft vocabulary of {record['size']} token ids (`draft_vocab`): every one of the "
-        f"{record['distinct_training_tokens']} distinct tokens of the target's answers it was trained on, then the "
-        "lowest ids. A draft reads those rows of the target's head only; decoding stays lossless (a token outside "
-        "it is never drafted). The evaluation below drafts with the whole head."
+        f"{record['distinct_training_tokens']} distinct tokens of the target's answers to the training prompts, "
+        "then the lowest ids. A draft reads those rows of the target's head only; decoding stays lossless "
+        "(a token outside it is never drafted). The evaluation below drafts with the whole head."
     )
 
 
