@@ -56,6 +56,7 @@ def test_doctor_report_on_the_embedded_pair_fills_every_section_and_passes(tmp_p
     assert system["backend"] == "CPU" and system["mlx"] != "not installed" and system["mlx_lm"] != "not installed"
     assert system["chip"] and system["memory_for_models_bytes"] > 0 and system["os"]
     assert system["drafter_precision"].startswith("float32 activations; why: not an M1/M2 GPU")  # stored float32
+    assert system["drafter_draft_vocab"] is None  # the embedded drafter scores the whole vocabulary
     kernels = report["kernels"]
     assert (
         set(kernels["active"]) == set(kernels["timings_float32"]) == {"two_tap_conv", "select_greedy", "select_sampled"}

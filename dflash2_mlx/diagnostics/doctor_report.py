@@ -339,6 +339,9 @@ def build_report(
     mx.reset_peak_memory()
     report = {"pair": label, "options": vars(options).copy(), "system": system_section()}
     report["system"]["drafter_precision"] = drafter_precision.describe(drafter)  # e.g. "w4a32 ...; why: ..."
+    # how many token ids the drafter's head scores (None: the whole vocabulary)
+    vocab = drafter.draft_vocab
+    report["system"]["drafter_draft_vocab"] = None if vocab is None else int(vocab.shape[0])
     progress("kernels: self-checks and timings")
     report["kernels"] = kernels_section(kernels.float_dtypes([target.runner.model.parameters(), drafter.parameters()]))
     report["rollback"] = rollback_section(target.runner)
