@@ -16,7 +16,7 @@ STAGE_WORK = {
 
 def timing_table(manifest: dict) -> str:
     """Markdown: one row per stage, what it does and the seconds it took when it ran."""
-    rows = ["| stage | what it does | minutes |", "|---|---|---|"]
+    rows = ["| stage | what it does | minutes (the run that finished it) |", "|---|---|---|"]
     for stage, seconds in manifest.get("timings_seconds", {}).items():
         rows.append(f"| {stage} | {STAGE_WORK.get(stage, '')} | {seconds / 60:.1f} |")
     return "\n".join(rows)
@@ -41,7 +41,13 @@ def model_card(manifest: dict) -> str:
     """The drafter's README.md: what it is, how it was built, how well it drafts, and the credit."""
     ev = manifest.get("stages", {}).get("evaluate", {}).get("outputs", {})
     plan = manifest.get("plan", {})
-    prompts = manifest.get("stages", {}).get("prompts", {}).get("outputs", {}).get("counts", {})
+    counts = manifest.get("stages", {}).get("prompts", {}).get("outputs", {}).get("counts")
+    if not counts or counts.get("reused_committed"):
+        counts = "those of the committed set, `training/prompt_sets/smollm2_prompts.jsonl`"
+    prompts = counts
+    windows = f"the first {plan['windows']}" if plan.get("windows") else "all"
+    anchors = plan.get("drafter_options", {}).get("answer_end_token_ids")
+    where = f"before the end of each answer (tokens {anchors})" if anchors else "anywhere in the answers"
     return f"""# {manifest["name"]}
 
 A DFlash 2 block drafter for **SmolLM2-135M-Instruct**, trained by this project's trainer
@@ -61,7 +67,8 @@ The drafter was trained on the target's own answers and is released with this pr
 The target's greedy and sampled (t={plan.get("sample_temperature")}, top-p {plan.get("sample_top_p")})
 answers of {plan.get("continuation_len")} tokens to a prompt set made offline from the Python
 standard library (coding requests, the language reference's topics), short-answer templates and
-questions the target wrote itself. Prompt counts: {prompts}.
+questions the target wrote itself. Prompt counts: {prompts}. Training: {plan.get("drafter_steps")}
+steps over {windows} training windows, blocks anchored {where}.
 
 ## Evaluation (held-out prompts, {ev.get("prompts", "n/a")} of mixed kinds)
 
@@ -73,6 +80,8 @@ questions the target wrote itself. Prompt counts: {prompts}.
 | greedy output identical to plain decoding | {ev.get("identical_to_autoregressive")} |
 
 ## Build time per stage
+
+A stage resumes after a kill, so a stage done over several runs shows only the last one's time.
 
 {timing_table(manifest)}
 """
