@@ -253,7 +253,7 @@ class Build:
         config = json.loads((self.out / "config.json").read_text())
         config.update({"name": DRAFTER_NAME, "_name_or_path": DRAFTER_NAME})
         atomic_write_text(self.out / "config.json", json.dumps(config, indent=2) + "\n")
-        draft_vocab = self.draft_vocab(config["vocab_size"])
+        draft_vocab = self.draft_vocab()
         manifest = {
             "name": DRAFTER_NAME,
             "target": {
@@ -292,22 +292,15 @@ class Build:
         atomic_write_text(self.out / "README.md", model_card(manifest))
         return manifest
 
-    def draft_vocab(self, vocab_size: int) -> Optional[dict]:
+    def draft_vocab(self) -> Optional[dict]:
         """Give the drafter in ``out`` its draft vocabulary, chosen from the target's continuations
         (the training data): the record for MANIFEST.json, or None when the plan has none."""
-        from dflash2_mlx.training.draft_vocab import (
-            choose_draft_vocab,
-            continuation_token_counts,
-            vocab_record,
-            write_draft_vocab,
-        )
+        from dflash2_mlx.training.draft_vocab import add_draft_vocab
 
         if not self.plan.draft_vocab_size:
             return None
-        counts = continuation_token_counts([self.work / "continuations"], self.plan.context_len)
-        ids = choose_draft_vocab(counts, min(self.plan.draft_vocab_size, vocab_size), vocab_size)
-        write_draft_vocab(self.out, ids)
-        return vocab_record(counts, ids)
+        continuations = [self.work / "continuations"]
+        return add_draft_vocab(self.out, continuations, self.plan.context_len, self.plan.draft_vocab_size)
 
     def run(self, last_stage: str = STAGES[-1]) -> dict[str, StageRecord]:
         """Run the stages up to and including ``last_stage`` (finished ones are skipped)."""

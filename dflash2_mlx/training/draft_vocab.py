@@ -106,6 +106,18 @@ def write_draft_vocab(drafter_dir: Path, ids: Optional[np.ndarray], record: Opti
         atomic_write_text(manifest_file, json.dumps(manifest, indent=1) + "\n")
 
 
+def add_draft_vocab(drafter_dir: Path, chunk_dirs: Iterable[Path], start: int, size: int) -> dict:
+    """Choose a draft vocabulary of at most ``size`` ids from the continuation chunks under
+    ``chunk_dirs`` (generated part from ``start``), store it in ``drafter_dir`` and return its
+    MANIFEST.json record (the build and this module's command both do it this way)."""
+    vocab_size = int(json.loads((Path(drafter_dir) / "config.json").read_text())["vocab_size"])
+    counts = continuation_token_counts(chunk_dirs, start)
+    ids = choose_draft_vocab(counts, min(size, vocab_size), vocab_size)
+    record = vocab_record(counts, ids)
+    write_draft_vocab(drafter_dir, ids, record)
+    return record
+
+
 def main(argv: Optional[list[str]] = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("drafter", type=Path, help="the DFlash 2 drafter directory to rewrite")
@@ -118,14 +130,10 @@ def main(argv: Optional[list[str]] = None) -> int:
         write_draft_vocab(args.drafter, None)
         print(f"{args.drafter}: the drafter scores the whole vocabulary again")
         return 0
-    vocab_size = int(json.loads((args.drafter / "config.json").read_text())["vocab_size"])
-    counts = continuation_token_counts(args.continuations, args.start)
-    ids = choose_draft_vocab(counts, args.size, vocab_size)
-    record = vocab_record(counts, ids)
-    write_draft_vocab(args.drafter, ids, record)
+    record = add_draft_vocab(args.drafter, args.continuations, args.start, args.size)
     print(
-        f"{args.drafter}: draft vocabulary of {len(ids)} ids ({len(counts)} distinct tokens in "
-        f"{record['training_tokens']} training tokens; coverage {record['training_coverage']:.4f})"
+        f"{args.drafter}: draft vocabulary of {record['size']} ids ({record['distinct_training_tokens']} distinct "
+        f"tokens in {record['training_tokens']} training tokens; coverage {record['training_coverage']:.4f})"
     )
     return 0
 

@@ -287,7 +287,7 @@ def train_drafter(
                         drafter_config.block_size,
                         config.blocks_per_sequence,
                         continuation_start,
-                        ends[i] if config.answer_end_token_ids else None,
+                        ends[i],  # the sequence's length when the config names no end tokens
                     )
                     for i in idx
                 ]
