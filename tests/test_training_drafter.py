@@ -802,3 +802,101 @@ def test_cli_trains_from_a_text_directory(target, tmp_path):
     assert [f["file"].split("/")[-1] for f in meta["files"]] == ["a.txt", "b.jsonl"]
     bad = CliRunner().invoke(app, args[:2] + ["--data", str(tmp_path / "missing"), "--out", str(tmp_path / "o2")])
     assert bad.exit_code != 0 and "does not exist" in str(bad.exception)
+
+
+# ---------------------------------------------------------------------------------------------
+# Training on a draft vocabulary
+# ---------------------------------------------------------------------------------------------
+
+
+def test_training_on_a_draft_vocabulary_of_every_id_trains_the_drafter_the_whole_head_trains(
+    target, sequences, trained, tmp_path
+):
+    """Same logits, same soft targets, labels as columns: the same weights to float rounding."""
+    every = np.arange(target.runner.vocab_size, dtype=np.int32)
+    out = train_drafter(
+        target,
+        sequences,
+        tmp_path / "every",
+        small_config(compile=True, soft_target_weight=0.5),
+        continuation_start=PREFIX,
+        progress=False,
+        draft_vocab=every,
+    )
+    whole = train_drafter(
+        target,
+        sequences,
+        tmp_path / "whole",
+        small_config(compile=True, soft_target_weight=0.5),
+        continuation_start=PREFIX,
+        progress=False,
+    )
+    a, b = load_file(str(out / "model.safetensors")), load_file(str(whole / "model.safetensors"))
+    np.testing.assert_array_equal(a.pop("draft_vocab"), every)
+    assert set(a) == set(b)
+    assert max(float(np.abs(a[k] - b[k]).max()) for k in a) < 1e-5
+
+
+def test_a_drafter_trained_on_a_draft_vocabulary_loads_with_it_and_decodes_losslessly(target, sequences, tmp_path):
+    from dflash2_mlx.decoding.autoregressive import generate_autoregressive
+    from dflash2_mlx.decoding.output import collect
+    from dflash2_mlx.decoding.speculative import generate_speculative
+    from dflash2_mlx.decoding.types import GenerationSettings
+
+    # the tokens of the answers, then a few ids they never use: some labels are outside
+    vocab = np.unique(np.concatenate([sequences[:, PREFIX:].ravel()[::2], np.arange(8)])).astype(np.int32)
+    assert len(np.setdiff1d(sequences[:, PREFIX:], vocab)) > 0
+    out = train_drafter(
+        target,
+        sequences,
+        tmp_path / "d",
+        small_config(compile=True, steps=6, soft_target_weight=0.5),
+        continuation_start=PREFIX,
+        progress=False,
+        draft_vocab=vocab,
+    )
+    history = load_checkpoint_state(out)["history"]
+    assert all(np.isfinite(h["loss"]) for h in history)
+    drafter = load_drafter(str(out))
+    assert drafter.config.draft_vocab_size == len(vocab)
+    np.testing.assert_array_equal(np.array(drafter.draft_vocab), vocab)
+    settings = GenerationSettings(max_tokens=24, block_size=B)
+    prompt = sequences[3, :PREFIX].tolist()
+    spec = [t for e in generate_speculative(target.runner, drafter, prompt, settings) for t in e.tokens]
+    assert spec == collect(generate_autoregressive(target.runner, prompt, settings))[0]
+
+
+def test_labels_outside_the_draft_vocabulary_count_no_cross_entropy_and_are_never_right(target):
+    config = small_config(soft_target_weight=0.0)
+    drafter = init_drafter(make_drafter_config(target, config), config)
+    vocab = mx.arange(0, 64, dtype=mx.int32)
+    drafter.set_draft_vocab(vocab)
+    head = target.runner.head_rows(vocab)
+    hidden = mx.random.normal((2, B, target.runner.hidden_size), key=mx.random.key(0))
+    w = mx.array(loss_weights(B, config.resolved_gamma()))
+    preds = mx.zeros((2, B - 1), dtype=mx.int32)
+    outside = mx.full((2, B - 1), -1, dtype=mx.int32)
+    _, m = drafter_loss(drafter, head, hidden, outside, preds, w, config)
+    assert float(m["ce"]) == 0.0 and float(m["acc"]) == 0.0 and float(m["hit"]) == 0.0 and float(m["tau"]) == 1.0
+    inside = mx.full((2, B - 1), 5, dtype=mx.int32)
+    _, m = drafter_loss(drafter, head, hidden, inside, preds, w, config)
+    assert float(m["ce"]) > 0.0
+
+
+def test_a_run_resumes_only_with_the_draft_vocabulary_it_started_with(target, sequences, tmp_path):
+    out = tmp_path / "d"
+    vocab = np.arange(0, 200, dtype=np.int32)
+    cfg = small_config(stop_at_step=2)
+    train_drafter(target, sequences, out, cfg, continuation_start=PREFIX, progress=False, draft_vocab=vocab)
+    with pytest.raises(ValueError, match="another draft vocabulary"):
+        train_drafter(target, sequences, out, small_config(), continuation_start=PREFIX, progress=False)
+    with pytest.raises(ValueError, match="another draft vocabulary"):
+        train_drafter(
+            target, sequences, out, small_config(), continuation_start=PREFIX, progress=False, draft_vocab=vocab[1:]
+        )
+    train_drafter(target, sequences, out, small_config(), continuation_start=PREFIX, progress=False, draft_vocab=vocab)
+    assert load_checkpoint_state(out)["step"] == 4
+    with pytest.raises(ValueError, match="increasing order"):
+        train_drafter(
+            target, sequences, tmp_path / "e", small_config(), continuation_start=PREFIX, draft_vocab=vocab[::-1]
+        )

@@ -187,6 +187,8 @@ class Build:
                 "drafter_taps",
                 "drafter_steps",
                 "drafter_options",
+                "draft_vocab_size",
+                "train_on_draft_vocab",
             ),
             data=[greedy.outputs["sha256"], sampled.outputs["sha256"]],
         )
@@ -210,6 +212,7 @@ class Build:
                 progress=sys.stderr.isatty(),
                 features=kept,
                 stop_at_step=self.train_until_step,
+                draft_vocab=self.trained_vocab(),
             )
             if out["steps"] < p.drafter_steps:
                 raise StagePaused(
@@ -292,15 +295,30 @@ class Build:
         atomic_write_text(self.out / "README.md", model_card(manifest))
         return manifest
 
+    def trained_vocab(self):
+        """The draft vocabulary the drafter trains on (None: the plan trains with the whole head):
+        chosen from the target's continuations, as ``draft_vocab`` chooses it after training."""
+        from dflash2_mlx.training.draft_vocab import choose_draft_vocab, continuation_token_counts
+
+        if not (self.plan.draft_vocab_size and self.plan.train_on_draft_vocab):
+            return None
+        counts = continuation_token_counts([self.work / "continuations"], self.plan.context_len)
+        vocab_size = self.target.runner.vocab_size
+        return choose_draft_vocab(counts, min(self.plan.draft_vocab_size, vocab_size), vocab_size)
+
     def draft_vocab(self) -> Optional[dict]:
         """Give the drafter in ``out`` its draft vocabulary, chosen from the target's continuations
-        (the training data): the record for MANIFEST.json, or None when the plan has none."""
-        from dflash2_mlx.training.draft_vocab import add_draft_vocab
+        (the training data), unless it trained on it (then it has it): the record for
+        MANIFEST.json, or None when the plan has none."""
+        from dflash2_mlx.training.draft_vocab import add_draft_vocab, continuation_token_counts, vocab_record
 
         if not self.plan.draft_vocab_size:
             return None
         continuations = [self.work / "continuations"]
-        return add_draft_vocab(self.out, continuations, self.plan.context_len, self.plan.draft_vocab_size)
+        if not self.plan.train_on_draft_vocab:
+            return add_draft_vocab(self.out, continuations, self.plan.context_len, self.plan.draft_vocab_size)
+        counts = continuation_token_counts(continuations, self.plan.context_len)
+        return vocab_record(counts, self.trained_vocab())
 
     def run(self, last_stage: str = STAGES[-1]) -> dict[str, StageRecord]:
         """Run the stages up to and including ``last_stage`` (finished ones are skipped)."""

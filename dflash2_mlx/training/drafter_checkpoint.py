@@ -21,7 +21,7 @@ import numpy as np
 from mlx.utils import tree_flatten, tree_unflatten
 
 from dflash2_mlx.backend.files import sha256_file
-from dflash2_mlx.models.drafter import Drafter
+from dflash2_mlx.models.drafter import DRAFT_VOCAB_KEY, Drafter
 from dflash2_mlx.training.drafter_training_config import DrafterTrainingConfig
 
 __all__ = [
@@ -58,7 +58,10 @@ def save_checkpoint(out_dir: Path, drafter: Drafter, optimizer: optim.Optimizer,
     tmp_model = sd / "model.partial.safetensors"
     tmp_opt = sd / "optimizer.partial.safetensors"
     # sorted names: the same state gives the same bytes, however the trees were built
-    mx.save_safetensors(str(tmp_model), dict(sorted(tree_flatten(drafter.parameters()))))
+    tensors = dict(tree_flatten(drafter.parameters()))
+    if drafter.draft_vocab is not None:  # the layout load_drafter reads (config.json has its size)
+        tensors[DRAFT_VOCAB_KEY] = drafter.draft_vocab
+    mx.save_safetensors(str(tmp_model), dict(sorted(tensors.items())))
     moments = ((k, v) for k, v in tree_flatten(optimizer.state) if k not in ("step", "learning_rate"))
     mx.save_safetensors(str(tmp_opt), dict(sorted(moments)))
     tmp_cfg = sd / "config.partial.json"
@@ -98,7 +101,11 @@ def resume_checkpoint(out_dir: Path, state: dict, drafter: Drafter, optimizer: o
             f"the checkpoint in {out_dir} is incomplete (interrupted while saving); "
             f"delete {out_dir} (or use another output directory) to start afresh"
         )
-    drafter.load_weights(list(mx.load(str(model_path)).items()))
+    weights = mx.load(str(model_path))
+    saved_vocab, vocab = weights.pop(DRAFT_VOCAB_KEY, None), drafter.draft_vocab
+    if (saved_vocab is None) != (vocab is None) or (vocab is not None and not mx.array_equal(saved_vocab, vocab)):
+        raise ValueError(f"{out_dir} holds a run with another draft vocabulary; pick another output directory")
+    drafter.load_weights(list(weights.items()))
     flat = mx.load(str(opt_path))
     opt_state = tree_unflatten(list(flat.items()))
     opt_state["step"] = mx.array(int(state["step"]), dtype=mx.uint64)

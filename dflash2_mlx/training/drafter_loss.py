@@ -82,6 +82,11 @@ def drafter_loss(
     ``config.soft_target_weight`` > 0 that share of each row's cross-entropy is taken against
     the target's softmax instead of the label (metric ``soft``: that soft cross-entropy).
 
+    With a draft vocabulary (``drafter.draft_vocab``, V' ids) ``lm_head`` scores those ids only,
+    ``target_logits`` hold the same columns (the teacher is the target's distribution given the
+    vocabulary: what the drafter can propose) and ``labels`` are column indices, -1 for a token
+    outside it (no cross-entropy, never right: such a token can never be drafted).
+
     metrics: ce, sel (selector loss), acc (drafter top-1), sel_acc (selector top-1 with the true
     predecessor), hit (label within the top-k: the rows the selector loss counts), tau / tau_top1
     (1 + leading correct rows: the acceptance length a greedy cycle would get on these blocks,
@@ -90,7 +95,8 @@ def drafter_loss(
     """
     h = hidden[:, 1:]
     logits = drafter.logits(h, lm_head)  # [M, R, V]
-    ce = nn.losses.cross_entropy(logits, labels, reduction="none")  # [M, R]
+    inside = labels >= 0  # [M, R] the label is a column (always, without a draft vocabulary)
+    ce = nn.losses.cross_entropy(logits, mx.maximum(labels, 0), reduction="none") * inside  # [M, R]
     soft = None
     if target_logits is not None and config.soft_target_weight > 0:
         teacher = mx.softmax(mx.stop_gradient(target_logits).astype(mx.float32), axis=-1)
@@ -105,13 +111,15 @@ def drafter_loss(
     if drafter.config.is_dflash2:
         sel = drafter.candidate_selector
         detached = mx.stop_gradient(logits)
-        candidates, unary = top_k_candidates(detached, sel.top_k)
+        candidates, unary = top_k_candidates(detached, sel.top_k)  # columns of logits
         if config.selector_grad_to_drafter:
             unary = mx.take_along_axis(logits, candidates, axis=-1)
             sel_hidden = h
         else:
             sel_hidden = mx.stop_gradient(h)
-        scores = selector_scores(sel, sel_hidden, candidates, unary, predecessors)
+        vocab = drafter.draft_vocab  # the codebooks are indexed by token id
+        candidate_ids = candidates if vocab is None else vocab[candidates]
+        scores = selector_scores(sel, sel_hidden, candidate_ids, unary, predecessors)
         hit = candidates == labels[..., None]
         valid = hit.any(axis=-1)
         index = mx.argmax(hit.astype(mx.int32), axis=-1)

@@ -73,6 +73,7 @@ not deterministic.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import platform
@@ -88,7 +89,7 @@ import numpy as np
 from mlx.utils import tree_flatten
 
 from dflash2_mlx.backend.progress import ProgressBar
-from dflash2_mlx.models.drafter_config import DrafterConfig
+from dflash2_mlx.models.drafter_config import DFLASH2, DrafterConfig
 from dflash2_mlx.training.drafter_batches import (
     anchor_range,
     answer_ends,
@@ -123,6 +124,7 @@ def train_drafter(
     continuation_start: int = 0,
     progress: bool = True,
     features: Optional[TargetFeatures] = None,
+    draft_vocab: Optional[np.ndarray] = None,
 ) -> Path:
     """Train a drafter on ``sequences`` (int32 [n, S], ideally from ``generate_training_sequences``).
 
@@ -133,6 +135,11 @@ def train_drafter(
     step budget; a ``minutes`` budget is not. ``features`` (``TargetFeatures.from_arrays``) are
     the target's taps of ``sequences`` computed before, e.g. kept on disk by a staged build, so a
     resumed run does not compute them again.
+
+    ``draft_vocab`` (sorted distinct token ids, DFlash 2): the drafter trains as it will draft,
+    scoring only those ids (``Drafter.set_draft_vocab``); its cross-entropy and soft targets are
+    taken over them, and the checkpoint carries them. On a small target the LM head over every
+    block row is most of a step (SmolLM2: 49152 columns against 8192).
     """
     config.validate()
     out_dir = Path(out_dir)
@@ -146,6 +153,7 @@ def train_drafter(
         raise ValueError(f"sequences hold token ids outside the target's vocabulary (size {runner.vocab_size})")
     fingerprint = data_fingerprint(sequences, continuation_start)
     ends = answer_ends(sequences, continuation_start, config.answer_end_token_ids)
+    vocab = None if draft_vocab is None else _checked_draft_vocab(draft_vocab, runner.vocab_size, config)
 
     previous = load_checkpoint_state(out_dir)
     if previous is not None:
@@ -165,13 +173,21 @@ def train_drafter(
         if previous.get("data_sha256") != fingerprint:
             raise ValueError(f"{out_dir} holds a run trained on other data; pick another output directory")
         drafter_config = DrafterConfig.from_dict(json.loads((out_dir / "config.json").read_text()))
+        if drafter_config.draft_vocab_size != (0 if vocab is None else len(vocab)):
+            raise ValueError(f"{out_dir} holds a run with another draft vocabulary; pick another output directory")
         drafter = init_drafter(drafter_config, config)
     elif init is not None:
         drafter = drafter_from_init(target, Path(init), config)
         drafter_config = drafter.config
     else:
         drafter_config = make_drafter_config(target, config)
+        if vocab is not None:
+            drafter_config = dataclasses.replace(drafter_config, draft_vocab_size=len(vocab))
         drafter = init_drafter(drafter_config, config)
+    if vocab is not None:
+        if drafter_config.draft_vocab_size != len(vocab):
+            raise ValueError("a draft vocabulary is given for training, but the initial drafter has none")
+        drafter.set_draft_vocab(mx.array(vocab))
     from dflash2_mlx.models.loading import validate_pair
 
     validate_pair(runner, drafter_config)
@@ -206,7 +222,12 @@ def train_drafter(
         or features.sequences.shape != sequences.shape
     ):
         raise ValueError("the given features were computed for other taps, sequences or soft-target setting")
-    lm_head = runner.lm_head
+    # the drafter's head and the soft targets' columns: the draft vocabulary's, or every id
+    lm_head = runner.lm_head if vocab is None else runner.head_rows(drafter.draft_vocab)
+    column_of = None  # token id -> column of the logits (-1: outside the draft vocabulary)
+    if vocab is not None:
+        column_of = np.full(runner.vocab_size, -1, dtype=np.int32)
+        column_of[vocab] = np.arange(len(vocab), dtype=np.int32)
 
     def loss_fn(feats, final, blocks, anchors, labels, preds):
         hidden = forward_blocks(drafter, runner.embed, feats, blocks, anchors)
@@ -304,7 +325,7 @@ def train_drafter(
                 *features(idx),
                 mx.array(blocks),
                 mx.array(anchors),
-                mx.array(labels),
+                mx.array(labels if column_of is None else column_of[labels]),
                 mx.array(preds),
             )
             mx.eval(metrics, drafter.parameters(), optimizer.state)
@@ -338,3 +359,15 @@ def train_drafter(
     complete = (total_steps is not None and step >= total_steps) or (budget is not None and elapsed >= budget)
     save_checkpoint(out_dir, drafter, optimizer, record(step, complete))
     return out_dir
+
+
+def _checked_draft_vocab(ids, vocab_size: int, config: DrafterTrainingConfig) -> np.ndarray:
+    """The draft vocabulary to train with, as int32: a DFlash 2 drafter's, sorted distinct ids."""
+    ids = np.asarray(ids)
+    if config.architecture != DFLASH2:
+        raise ValueError("a draft vocabulary needs a DFlash 2 drafter (its selector maps the ids back)")
+    if ids.ndim != 1 or not np.issubdtype(ids.dtype, np.integer) or len(ids) < config.selector_top_k:
+        raise ValueError(f"a draft vocabulary is a list of at least {config.selector_top_k} token ids")
+    if np.any(np.diff(ids) <= 0) or ids[0] < 0 or (vocab_size and ids[-1] >= vocab_size):
+        raise ValueError(f"a draft vocabulary holds distinct token ids in increasing order, below {vocab_size}")
+    return ids.astype(np.int32)

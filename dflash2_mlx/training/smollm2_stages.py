@@ -225,15 +225,24 @@ def train(
     progress: bool = False,
     features=None,
     stop_at_step: Optional[int] = None,
+    draft_vocab: Optional[np.ndarray] = None,
 ) -> dict:
     """Train (or resume training) the drafter in ``out_dir`` on ``sequences`` with soft targets
-    (``features``: the target's taps of ``sequences`` computed before, see ``load_features``)."""
+    (``features``: the target's taps of ``sequences`` computed before, see ``load_features``;
+    ``draft_vocab``: the token ids the drafter scores, trained on as it will draft)."""
     from dflash2_mlx.training.drafter_trainer import train_drafter
 
     cfg = training_config(plan, target, stop_at_step)
     t0 = time.perf_counter()
     train_drafter(
-        target, sequences, out_dir, cfg, continuation_start=plan.context_len, progress=progress, features=features
+        target,
+        sequences,
+        out_dir,
+        cfg,
+        continuation_start=plan.context_len,
+        progress=progress,
+        features=features,
+        draft_vocab=draft_vocab,
     )
     seconds = time.perf_counter() - t0
     size = drafter_bytes(out_dir)
