@@ -142,3 +142,31 @@ def test_a_fresh_full_build_reuses_the_committed_prompt_set_without_running_the_
     record = Build(FULL, tmp_path / "work", tmp_path / "out").prompts()
     assert record.outputs["counts"] == {"reused_committed": True}
     assert (tmp_path / "work" / "prompts.jsonl").read_bytes() == COMMITTED_PROMPTS.read_bytes()
+
+
+def test_committed_continuation_chunks_are_copied_instead_of_generated(tiny_build, tmp_path, monkeypatch):
+    import dflash2_mlx.training.build_smollm2_drafter as build_module
+    import dflash2_mlx.training.smollm2_stages as stages
+
+    plan, work, out, records = tiny_build
+    committed = tmp_path / "committed"
+    monkeypatch.setattr(build_module, "COMMITTED_CONTINUATIONS", committed)
+    Build(plan, work, out).save_continuations()
+    assert len(list((committed / "greedy").glob("chunk_*.npz"))) == records["greedy"].outputs["chunks"]
+
+    def no_generation(*args, **kwargs):
+        raise AssertionError("a committed chunk was generated again")
+
+    monkeypatch.setattr(stages, "generate_batch", no_generation)
+    fresh = Build(plan, tmp_path / "work", tmp_path / "out")
+    again = fresh.run("sampled")
+    for name in ("greedy", "sampled"):
+        assert again[name].outputs["sha256"] == records[name].outputs["sha256"]
+        assert again[name].outputs["chunks_copied_from_committed"] == records[name].outputs["chunks"]
+    # a chunk whose inputs changed is generated, not copied
+    monkeypatch.undo()
+    monkeypatch.setattr(build_module, "COMMITTED_CONTINUATIONS", committed)
+    longer = Build(
+        dataclasses.replace(plan, continuation_len=plan.continuation_len + 1), tmp_path / "w2", tmp_path / "o2"
+    )
+    assert longer.run("greedy")["greedy"].outputs["chunks_copied_from_committed"] == 0

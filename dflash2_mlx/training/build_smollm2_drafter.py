@@ -10,7 +10,9 @@ Stages, in order (each at most about an hour on a quiet 2-core machine; see docs
    full plan's output is committed (``training/prompt_sets/smollm2_prompts.jsonl``) and reused
    when its key matches, so a fresh machine does not redo it; ``--save-prompts`` refreshes it.
 2. ``greedy`` and 3. ``sampled``: the target's own answers to the training prompts (greedy, then
-   t=0.7 top-p 0.9), batched, one chunk file per batch.
+   t=0.7 top-p 0.9), batched, one chunk file per batch. The full plan's chunks (token ids, 1.6 MB)
+   are committed too (``training/prompt_sets/smollm2_continuations``) and copied wherever a
+   chunk's own key matches; ``--save-continuations`` refreshes them.
 4. ``features``: the target's tapped features of every training sequence, kept on disk.
 5. ``train``: the project's drafter trainer with soft targets (resumes from its checkpoints;
    ``--train-until-step N`` ends a session's share early, a rerun goes on bit for bit).
@@ -40,9 +42,11 @@ from dflash2_mlx.backend.files import sha256_file
 from dflash2_mlx.training.demo_plan import Log, fix_threads
 from dflash2_mlx.training.smollm2_plan import PLANS, STAGES, SmolPlan, StageRecord, atomic_write_text, stage_key
 
-__all__ = ["COMMITTED_PROMPTS", "build", "main"]
+__all__ = ["COMMITTED_CONTINUATIONS", "COMMITTED_PROMPTS", "build", "main"]
 
 COMMITTED_PROMPTS = Path(__file__).resolve().parent / "prompt_sets" / "smollm2_prompts.jsonl"
+# the greedy and sampled stages' chunks of the full plan (each holds the key of its own inputs)
+COMMITTED_CONTINUATIONS = COMMITTED_PROMPTS.parent / "smollm2_continuations"
 DRAFTER_NAME = "smollm2-135m-dflash2-drafter"
 
 
@@ -141,9 +145,26 @@ class Build:
             name,
             key,
             lambda: generate_continuations(
-                p, self.target, Path(prompts.outputs["file"]), self.work / "continuations" / name, sampled, self.log
+                p,
+                self.target,
+                Path(prompts.outputs["file"]),
+                self.work / "continuations" / name,
+                sampled,
+                self.log,
+                committed=COMMITTED_CONTINUATIONS / name,
             ),
         )
+
+    def save_continuations(self) -> None:
+        """Copy the work directory's greedy and sampled chunks into the package, to commit them."""
+        for name in ("greedy", "sampled"):
+            target_dir = COMMITTED_CONTINUATIONS / name
+            target_dir.mkdir(parents=True, exist_ok=True)
+            for old in target_dir.glob("chunk_*.npz"):
+                old.unlink()
+            for chunk in sorted((self.work / "continuations" / name).glob("chunk_*.npz")):
+                shutil.copyfile(chunk, target_dir / chunk.name)
+        self.log(f"continuations: saved to {COMMITTED_CONTINUATIONS}")
 
     def sequences(self, greedy: StageRecord, sampled: StageRecord):
         import numpy as np
@@ -377,6 +398,11 @@ def main(argv: Optional[list[str]] = None) -> int:
         action="store_true",
         help="copy the prompt set into the package (training/prompt_sets) to commit it",
     )
+    ap.add_argument(
+        "--save-continuations",
+        action="store_true",
+        help="after the greedy and sampled stages, copy their chunks into the package to commit them",
+    )
     args = ap.parse_args(argv)
     plan = PLANS[args.plan]
     if args.target:
@@ -385,6 +411,8 @@ def main(argv: Optional[list[str]] = None) -> int:
 
     try:
         build(plan, args.work, args.out, args.stage, args.save_prompts, args.train_until_step)
+        if args.save_continuations:
+            Build(plan, args.work, args.out).save_continuations()
     except LoadError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -62,10 +62,17 @@ def continuation_batches(plan: SmolPlan, tokenizer, prompts: list[dict]) -> list
 
 
 def generate_continuations(
-    plan: SmolPlan, target, prompts_file: Path, out_dir: Path, sampled: bool, log: Callable[[str], None]
+    plan: SmolPlan,
+    target,
+    prompts_file: Path,
+    out_dir: Path,
+    sampled: bool,
+    log: Callable[[str], None],
+    committed: Optional[Path] = None,
 ) -> dict:
     """Write one ``chunk_NNNNN.npz`` per batch into ``out_dir`` (existing chunks of the same inputs
-    are kept) and return the stage's counts and rate."""
+    are kept; so are ``committed``'s, copied: a fresh machine then generates none of them) and
+    return the stage's counts and rate."""
     prompts = read_prompt_set(prompts_file, "train")
     tok = target.tokenizer
     batches = continuation_batches(plan, tok, prompts)
@@ -73,7 +80,7 @@ def generate_continuations(
     pad = pad_token_id(tok)
     seed = plan.seed + (2 if sampled else 1)
     total_len = plan.context_len + plan.continuation_len
-    generated_tokens, seconds, reused = 0, 0.0, 0
+    generated_tokens, seconds, reused, copied = 0, 0.0, 0, 0
     for index, batch in enumerate(batches):
         # a chunk is valid for exactly its own input tokens and settings
         key = stage_key(
@@ -87,6 +94,10 @@ def generate_continuations(
         path = out_dir / f"chunk_{index:05d}.npz"
         if _chunk_done(path, key):
             reused += 1
+            continue
+        if committed is not None and _chunk_done(committed / path.name, key):
+            atomic_write_bytes(path, (committed / path.name).read_bytes())
+            copied += 1
             continue
         t0 = time.perf_counter()
         padded = left_pad(batch, pad, min_len=plan.context_len)
@@ -108,6 +119,7 @@ def generate_continuations(
     return {
         "chunks": len(batches),
         "chunks_reused": reused,
+        "chunks_copied_from_committed": copied,
         "sequences": int(sequences.shape[0]),
         "sequence_length": total_len,
         "generated_tokens_this_run": generated_tokens,
