@@ -31,7 +31,7 @@ from dflash2_mlx.training.drafter_batches import (
 from dflash2_mlx.training.drafter_checkpoint import STATE_DIR, load_checkpoint_state
 from dflash2_mlx.training.drafter_eval import evaluate_drafter, greedy_walk_correct, simulated_cycles
 from dflash2_mlx.training.drafter_init import default_target_layer_ids, init_drafter, make_drafter_config
-from dflash2_mlx.training.drafter_loss import drafter_loss, forward_blocks
+from dflash2_mlx.training.drafter_loss import drafter_head, drafter_loss, forward_blocks
 from dflash2_mlx.training.drafter_trainer import train_drafter
 from dflash2_mlx.training.drafter_training_config import DrafterTrainingConfig
 
@@ -570,12 +570,26 @@ def test_simulated_cycles_follow_the_engines_rule():
     assert simulated_cycles(np.zeros(5, dtype=int)) == [1] * 5
 
 
-def test_evaluation_reproduces_the_engines_cycles(target, trained, documents):
-    """Training's view of a block is inference's: the simulated cycles are the engine's."""
+@pytest.fixture(scope="module")
+def trained_on_vocab(target, sequences, tmp_path_factory):
+    """A short run scoring a draft vocabulary: the answers' tokens but every third, then ids 0..7."""
+    vocab = np.unique(
+        np.concatenate([np.setdiff1d(sequences[:, PREFIX:], sequences[:, PREFIX:].ravel()[::3]), np.arange(8)])
+    )
+    out = tmp_path_factory.mktemp("trained_vocab") / "drafter"
+    cfg = small_config(compile=True, steps=6, soft_target_weight=0.5)
+    train_drafter(target, sequences, out, cfg, continuation_start=PREFIX, progress=False, draft_vocab=vocab)
+    return out
+
+
+@pytest.mark.parametrize("checkpoint", ["trained", "trained_on_vocab"])
+def test_evaluation_reproduces_the_engines_cycles(target, checkpoint, documents, request):
+    """Training's view of a block is inference's: the simulated cycles are the engine's (with the
+    whole head, and with a draft vocabulary that leaves out tokens the target writes)."""
     from dflash2_mlx.decoding.speculative import generate_speculative
     from dflash2_mlx.decoding.types import GenerationSettings
 
-    drafter = load_drafter(str(trained))
+    drafter = load_drafter(str(request.getfixturevalue(checkpoint)))
     # (a barely trained drafter on a random target accepts little; the same check passed cycle for
     # cycle with a drafter accepting 1..8 tokens per cycle on a trained byte-level target)
     seqs = generate_training_sequences(target, documents, 3, PREFIX, CONT, seed=4)
@@ -587,10 +601,9 @@ def test_evaluation_reproduces_the_engines_cycles(target, trained, documents):
     blocks, labels, preds = block_arrays(seqs, anchors, B, drafter.config.mask_token_id)
     hidden = forward_blocks(drafter, runner.embed, feats, mx.array(blocks), mx.array(anchors))
     m = len(hidden)
+    head, _ = drafter_head(runner, drafter)
     right = np.array(
-        greedy_walk_correct(
-            drafter, runner.lm_head, hidden, mx.array(labels.reshape(m, -1)), mx.array(preds.reshape(m, -1))
-        )
+        greedy_walk_correct(drafter, head, hidden, mx.array(labels.reshape(m, -1)), mx.array(preds.reshape(m, -1)))
     )
     leading = np.cumprod(right, axis=-1).sum(-1).reshape(len(seqs), -1)
     total_tokens = total_cycles = 0
@@ -837,29 +850,19 @@ def test_training_on_a_draft_vocabulary_of_every_id_trains_the_drafter_the_whole
     assert max(float(np.abs(a[k] - b[k]).max()) for k in a) < 1e-5
 
 
-def test_a_drafter_trained_on_a_draft_vocabulary_loads_with_it_and_decodes_losslessly(target, sequences, tmp_path):
+def test_a_drafter_trained_on_a_draft_vocabulary_loads_with_it_and_decodes_losslessly(
+    target, sequences, trained_on_vocab
+):
     from dflash2_mlx.decoding.autoregressive import generate_autoregressive
     from dflash2_mlx.decoding.output import collect
     from dflash2_mlx.decoding.speculative import generate_speculative
     from dflash2_mlx.decoding.types import GenerationSettings
 
-    # the tokens of the answers, then a few ids they never use: some labels are outside
-    vocab = np.unique(np.concatenate([sequences[:, PREFIX:].ravel()[::2], np.arange(8)])).astype(np.int32)
-    assert len(np.setdiff1d(sequences[:, PREFIX:], vocab)) > 0
-    out = train_drafter(
-        target,
-        sequences,
-        tmp_path / "d",
-        small_config(compile=True, steps=6, soft_target_weight=0.5),
-        continuation_start=PREFIX,
-        progress=False,
-        draft_vocab=vocab,
-    )
-    history = load_checkpoint_state(out)["history"]
-    assert all(np.isfinite(h["loss"]) for h in history)
-    drafter = load_drafter(str(out))
-    assert drafter.config.draft_vocab_size == len(vocab)
-    np.testing.assert_array_equal(np.array(drafter.draft_vocab), vocab)
+    history = load_checkpoint_state(trained_on_vocab)["history"]
+    assert len(history) == 6 and all(np.isfinite(h["loss"]) for h in history)
+    drafter = load_drafter(str(trained_on_vocab))
+    vocab = np.array(drafter.draft_vocab)
+    assert drafter.config.draft_vocab_size == len(vocab) and len(np.setdiff1d(sequences[:, PREFIX:], vocab)) > 0
     settings = GenerationSettings(max_tokens=24, block_size=B)
     prompt = sequences[3, :PREFIX].tolist()
     spec = [t for e in generate_speculative(target.runner, drafter, prompt, settings) for t in e.tokens]

@@ -13,7 +13,7 @@ import numpy as np
 from dflash2_mlx.models.drafter import Drafter
 from dflash2_mlx.models.selector import top_k_candidates
 from dflash2_mlx.training.drafter_batches import anchor_range, block_arrays, loss_weights
-from dflash2_mlx.training.drafter_loss import drafter_loss, forward_blocks, leading_run, selector_scores
+from dflash2_mlx.training.drafter_loss import drafter_head, drafter_loss, forward_blocks, leading_run, selector_scores
 from dflash2_mlx.training.drafter_training_config import DrafterTrainingConfig
 
 __all__ = [
@@ -37,7 +37,7 @@ def greedy_walk_correct(
     if not drafter.config.is_dflash2:
         return mx.argmax(logits, axis=-1) == labels
     sel = drafter.candidate_selector
-    candidates, unary = top_k_candidates(logits, sel.top_k)
+    candidates, unary = top_k_candidates(logits, sel.top_k, drafter.draft_vocab)  # token ids
     scores = selector_scores(sel, h, candidates, unary, predecessors)
     chosen = mx.take_along_axis(candidates, mx.argmax(scores, axis=-1)[..., None], axis=-1)[..., 0]
     return chosen == labels
@@ -84,6 +84,7 @@ def evaluate_drafter(
     weights = mx.array(loss_weights(cfg.block_size, config.resolved_gamma()))
     totals: dict[str, float] = {}
     count = tokens = cycles = 0
+    head, column_of = drafter_head(runner, drafter)
     for start in range(0, len(sequences), batch):
         seqs = sequences[start : start + batch]
         _, feats = runner(mx.array(seqs), runner.make_cache(), taps=cfg.target_layer_ids, logits_from=seqs.shape[1] - 1)
@@ -91,12 +92,13 @@ def evaluate_drafter(
         blocks, labels, preds = block_arrays(seqs, anchors, cfg.block_size, cfg.mask_token_id)
         hidden = forward_blocks(drafter, runner.embed, feats, mx.array(blocks), mx.array(anchors))
         m = len(hidden)
+        columns = labels if column_of is None else column_of[labels]
         labels, preds = mx.array(labels.reshape(m, -1)), mx.array(preds.reshape(m, -1))
-        _, metrics = drafter_loss(drafter, runner.lm_head, hidden, labels, preds, weights, config)
+        _, metrics = drafter_loss(drafter, head, hidden, mx.array(columns.reshape(m, -1)), preds, weights, config)
         for k, v in metrics.items():
             totals[k] = totals.get(k, 0.0) + float(v.item()) * m
         count += m
-        leading = np.array(leading_run(greedy_walk_correct(drafter, runner.lm_head, hidden, labels, preds)))
+        leading = np.array(leading_run(greedy_walk_correct(drafter, head, hidden, labels, preds)))
         for row in leading.reshape(len(seqs), len(positions)):
             emitted = simulated_cycles(row)
             tokens, cycles = tokens + sum(emitted), cycles + len(emitted)

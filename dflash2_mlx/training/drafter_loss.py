@@ -8,10 +8,11 @@ predecessor. The metrics include the acceptance a greedy cycle would get on thes
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Callable, Optional
 
 import mlx.core as mx
 import mlx.nn as nn
+import numpy as np
 
 from dflash2_mlx.models.drafter import Drafter
 from dflash2_mlx.models.selector import top_k_candidates
@@ -19,12 +20,24 @@ from dflash2_mlx.training.drafter_training_config import DrafterTrainingConfig
 
 __all__ = [
     "block_target_logits",
+    "drafter_head",
     "drafter_loss",
     "forward_blocks",
     "leading_run",
     "selector_scores",
     "summarize",
 ]
+
+
+def drafter_head(runner, drafter: Drafter) -> tuple[Callable[[mx.array], mx.array], Optional[np.ndarray]]:
+    """The head the drafter scores with, and with a draft vocabulary the map token id -> column
+    of its logits (-1 outside it), for labels; None: every token id is its own column."""
+    vocab = drafter.draft_vocab
+    if vocab is None:
+        return runner.lm_head, None
+    column_of = np.full(runner.vocab_size, -1, dtype=np.int32)
+    column_of[np.array(vocab)] = np.arange(vocab.shape[0], dtype=np.int32)
+    return runner.head_rows(vocab), column_of
 
 
 def forward_blocks(drafter: Drafter, embed, features: mx.array, blocks: mx.array, anchors: mx.array) -> mx.array:

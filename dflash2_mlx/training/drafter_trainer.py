@@ -107,7 +107,7 @@ from dflash2_mlx.training.drafter_checkpoint import (
     save_checkpoint,
 )
 from dflash2_mlx.training.drafter_init import drafter_from_init, freeze_ablations, init_drafter, make_drafter_config
-from dflash2_mlx.training.drafter_loss import block_target_logits, drafter_loss, forward_blocks, summarize
+from dflash2_mlx.training.drafter_loss import block_target_logits, drafter_head, drafter_loss, forward_blocks, summarize
 from dflash2_mlx.training.drafter_schedule import format_progress, learning_rate_at
 from dflash2_mlx.training.drafter_training_config import RESUMABLE_CHANGES, DrafterTrainingConfig
 from dflash2_mlx.training.target_features import TargetFeatures
@@ -222,12 +222,8 @@ def train_drafter(
         or features.sequences.shape != sequences.shape
     ):
         raise ValueError("the given features were computed for other taps, sequences or soft-target setting")
-    # the drafter's head and the soft targets' columns: the draft vocabulary's, or every id
-    lm_head = runner.lm_head if vocab is None else runner.head_rows(drafter.draft_vocab)
-    column_of = None  # token id -> column of the logits (-1: outside the draft vocabulary)
-    if vocab is not None:
-        column_of = np.full(runner.vocab_size, -1, dtype=np.int32)
-        column_of[vocab] = np.arange(len(vocab), dtype=np.int32)
+    # the drafter's head, also the soft targets' columns: the draft vocabulary's, or every id
+    lm_head, column_of = drafter_head(runner, drafter)
 
     def loss_fn(feats, final, blocks, anchors, labels, preds):
         hidden = forward_blocks(drafter, runner.embed, feats, blocks, anchors)
