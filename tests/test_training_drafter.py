@@ -903,3 +903,25 @@ def test_a_run_resumes_only_with_the_draft_vocabulary_it_started_with(target, se
         train_drafter(
             target, sequences, tmp_path / "e", small_config(), continuation_start=PREFIX, draft_vocab=vocab[::-1]
         )
+
+
+def test_evaluation_up_to_each_answers_end_is_the_engine_stopping_there(target, trained, documents):
+    from dflash2_mlx.decoding.speculative import generate_speculative
+    from dflash2_mlx.decoding.types import GenerationSettings
+
+    drafter = load_drafter(str(trained))
+    seqs = generate_training_sequences(target, documents, 3, PREFIX, CONT, seed=4)
+    stop = int(seqs[0, PREFIX + CONT // 2])  # a token the first answer writes half-way: its end
+    lo, hi = anchor_range(seqs.shape[1], B, PREFIX)
+    ends = answer_ends(seqs, PREFIX, [stop])
+    ending = ends <= hi  # answers that end where whole blocks still fit (the first one, at least)
+    seqs, ends = seqs[ending], ends[ending]
+    metrics = evaluate_drafter(target, drafter, seqs, continuation_start=PREFIX, ends=ends)
+    tokens = cycles = 0
+    settings = GenerationSettings(max_tokens=CONT, block_size=B, stop_token_ids=[stop])
+    for row, end in zip(seqs, ends):
+        events = list(generate_speculative(target.runner, drafter, row[:PREFIX].tolist(), settings))
+        emitted = [len(e.tokens) for e in events if e.tokens][1:]  # the cycles after the prefill's token
+        assert sum(emitted) == end - PREFIX  # it stopped with the end token
+        tokens, cycles = tokens + sum(emitted), cycles + len(emitted)
+    assert metrics["acceptance"] == tokens / cycles and metrics["cycles"] == cycles

@@ -7,6 +7,8 @@ them, which gives the tokens per cycle to quote.
 
 from __future__ import annotations
 
+from typing import Optional, Sequence
+
 import mlx.core as mx
 import numpy as np
 
@@ -64,6 +66,7 @@ def evaluate_drafter(
     sequences: np.ndarray,
     continuation_start: int = 0,
     batch: int = 8,
+    ends: Optional[Sequence[int]] = None,
 ) -> dict[str, float]:
     """Held-out metrics of a drafter on target-generated sequences (no training, no randomness).
 
@@ -71,7 +74,9 @@ def evaluate_drafter(
     metrics of ``drafter_loss`` over all those blocks (``tau`` = 1 + mean leading correct rows
     per anchor) and ``acceptance``: tokens per cycle of the greedy decoding that starts at the
     first generated token, simulated from the per-anchor results (what the engine reports on
-    these continuations, up to the last partial block). ``acceptance`` is the number to quote:
+    these continuations, up to the last partial block; with ``ends``, each sequence's answer-end
+    position (``answer_ends``), up to the cycle that emits the end token, where decoding
+    stops: the text a model writes after ending its turn is never drafted). ``acceptance`` is the number to quote:
     ``tau`` averages over anchors uniformly, while decoding spends more cycles where the drafter
     misses, so ``tau`` (and the training progress's) reads higher.
     """
@@ -99,7 +104,10 @@ def evaluate_drafter(
             totals[k] = totals.get(k, 0.0) + float(v.item()) * m
         count += m
         leading = np.array(leading_run(greedy_walk_correct(drafter, head, hidden, labels, preds)))
-        for row in leading.reshape(len(seqs), len(positions)):
+        for i, row in enumerate(leading.reshape(len(seqs), len(positions))):
+            if ends is not None:  # anchors before the end token; no cycle emits past it
+                end = int(ends[start + i])
+                row = np.minimum(row[: max(end - lo, 0)], end - positions[: max(end - lo, 0)] - 1)
             emitted = simulated_cycles(row)
             tokens, cycles = tokens + sum(emitted), cycles + len(emitted)
     out = {k: v / count for k, v in totals.items()}
