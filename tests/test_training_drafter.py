@@ -827,23 +827,9 @@ def test_training_on_a_draft_vocabulary_of_every_id_trains_the_drafter_the_whole
 ):
     """Same logits, same soft targets, labels as columns: the same weights to float rounding."""
     every = np.arange(target.runner.vocab_size, dtype=np.int32)
-    out = train_drafter(
-        target,
-        sequences,
-        tmp_path / "every",
-        small_config(compile=True, soft_target_weight=0.5),
-        continuation_start=PREFIX,
-        progress=False,
-        draft_vocab=every,
-    )
-    whole = train_drafter(
-        target,
-        sequences,
-        tmp_path / "whole",
-        small_config(compile=True, soft_target_weight=0.5),
-        continuation_start=PREFIX,
-        progress=False,
-    )
+    config = small_config(compile=True, soft_target_weight=0.5)
+    out = train_drafter(target, sequences, tmp_path / "every", config, continuation_start=PREFIX, draft_vocab=every)
+    whole = train_drafter(target, sequences, tmp_path / "whole", config, continuation_start=PREFIX)
     a, b = load_file(str(out / "model.safetensors")), load_file(str(whole / "model.safetensors"))
     np.testing.assert_array_equal(a.pop("draft_vocab"), every)
     assert set(a) == set(b)
