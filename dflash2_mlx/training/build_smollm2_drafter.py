@@ -316,14 +316,16 @@ class Build:
         atomic_write_text(self.out / "README.md", model_card(manifest))
         return manifest
 
-    def trained_vocab(self):
+    def trained_vocab(self, counts=None):
         """The draft vocabulary the drafter trains on (None: the plan trains with the whole head):
-        chosen from the target's continuations, as ``draft_vocab`` chooses it after training."""
+        chosen from the target's continuations (``counts``, if counted already), as
+        ``draft_vocab`` chooses it after training."""
         from dflash2_mlx.training.draft_vocab import choose_draft_vocab, continuation_token_counts
 
         if not (self.plan.draft_vocab_size and self.plan.train_on_draft_vocab):
             return None
-        counts = continuation_token_counts([self.work / "continuations"], self.plan.context_len)
+        if counts is None:
+            counts = continuation_token_counts([self.work / "continuations"], self.plan.context_len)
         vocab_size = self.target.runner.vocab_size
         return choose_draft_vocab(counts, min(self.plan.draft_vocab_size, vocab_size), vocab_size)
 
@@ -339,7 +341,7 @@ class Build:
         if not self.plan.train_on_draft_vocab:
             return add_draft_vocab(self.out, continuations, self.plan.context_len, self.plan.draft_vocab_size)
         counts = continuation_token_counts(continuations, self.plan.context_len)
-        return vocab_record(counts, self.trained_vocab())
+        return vocab_record(counts, self.trained_vocab(counts))
 
     def run(self, last_stage: str = STAGES[-1]) -> dict[str, StageRecord]:
         """Run the stages up to and including ``last_stage`` (finished ones are skipped)."""

@@ -107,7 +107,8 @@ def evaluate_drafter(
         for i, row in enumerate(leading.reshape(len(seqs), len(positions))):
             if ends is not None:  # anchors before the end token; no cycle emits past it
                 end = int(ends[start + i])
-                row = np.minimum(row[: max(end - lo, 0)], end - positions[: max(end - lo, 0)] - 1)
+                kept = max(end - lo, 0)
+                row = np.minimum(row[:kept], end - positions[:kept] - 1)
             emitted = simulated_cycles(row)
             tokens, cycles = tokens + sum(emitted), cycles + len(emitted)
     out = {k: v / count for k, v in totals.items()}
