@@ -10,7 +10,7 @@ drafter with one knob changed, trained for ``--steps`` steps on the same data, w
 on the plan's draft vocabulary, into ``WORK/ablation/<variant>`` (a killed run resumes there).
 
 Each is then scored on the held-out prompts' greedy answers (the target's own, 128 tokens, made
-once into ``WORK/ablation/heldout.npz``) with ``evaluate_drafter``: the tokens per cycle greedy
+once into ``WORK/ablation/heldout_answers.npz``) with ``evaluate_drafter``: the tokens per cycle greedy
 speculative decoding gets at the drafter's own block size up to the end of each answer, simulated
 from every anchor exactly as the engine's cycles run (a test pins that), so no timing noise enters
 the table. It reports the
@@ -38,7 +38,10 @@ VARIANTS = {
 
 
 def heldout_sequences(build, path: Path):
-    """The held-out prompts' last ``context_len`` tokens, then the target's greedy answer."""
+    """The held-out prompts' greedy answers, each generated alone as the engine writes it (a batch
+    would pad the shorter prompts, and unmasked padding changes what SmolLM2 answers), in windows
+    of the plan's shape: the prompt's last ``context_len`` tokens (left-padded when shorter, as
+    the build's windows are), then ``continuation_len`` answer tokens."""
     import numpy as np
 
     from dflash2_mlx.training.smollm2_generation import generate_batch, left_pad, pad_token_id
@@ -48,11 +51,14 @@ def heldout_sequences(build, path: Path):
         with np.load(path) as data:
             return np.asarray(data["sequences"])
     plan, tok = build.plan, build.target.tokenizer
-    held = read_prompt_set(build.work / "prompts.jsonl", "heldout")
-    prompts = [tok.encode(r["prompt"], add_special_tokens=False) for r in held]
-    padded = left_pad(prompts, pad_token_id(tok), min_len=plan.context_len)
-    answers = generate_batch(build.target.runner, padded, plan.continuation_len, None, seed=plan.seed)
-    sequences = np.concatenate([padded[:, -plan.context_len :], answers], axis=1)
+    pad = pad_token_id(tok)
+    windows = []
+    for record in read_prompt_set(build.work / "prompts.jsonl", "heldout"):
+        prompt = np.array([tok.encode(record["prompt"], add_special_tokens=False)], dtype=np.int32)
+        answer = generate_batch(build.target.runner, prompt, plan.continuation_len, None, seed=plan.seed)
+        context = left_pad([prompt[0, -plan.context_len :]], pad, min_len=plan.context_len)
+        windows.append(np.concatenate([context, answer], axis=1))
+    sequences = np.concatenate(windows, axis=0)
     path.parent.mkdir(parents=True, exist_ok=True)
     np.savez(path, sequences=sequences)
     return sequences
@@ -64,6 +70,7 @@ def main(argv=None) -> int:
     ap.add_argument("--steps", type=int, default=700, help="training steps of every variant")
     ap.add_argument("--variants", default="base,layers1,block4", help=f"comma-separated, of {sorted(VARIANTS)}")
     ap.add_argument("--json", type=Path)
+    ap.add_argument("--reference", type=Path, help="also score this drafter (the shipped one) so")
     args = ap.parse_args(argv)
 
     from dflash2_mlx.models.loading import load_drafter
@@ -80,7 +87,7 @@ def main(argv=None) -> int:
     sequences = build.sequences(records["greedy"], records["sampled"])
     kept = load_features(FULL, build.target, sequences, args.work / "features", records["features"].outputs["chunks"])
     vocab = build.trained_vocab()
-    held = heldout_sequences(build, args.work / "ablation" / "heldout.npz")
+    held = heldout_sequences(build, args.work / "ablation" / "heldout_answers.npz")
     held_ends = answer_ends(held, FULL.context_len, FULL.drafter_options["answer_end_token_ids"])
     rows = []
     for name in args.variants.split(","):
@@ -105,6 +112,22 @@ def main(argv=None) -> int:
             "heldout_tau": round(metrics["tau"], 4),
             "heldout_cycles": metrics["cycles"],
             "final_train_loss": state["history"][-1]["loss"] if state["history"] else None,
+        }
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+    if args.reference:
+        drafter = load_drafter(str(args.reference))
+        metrics = evaluate_drafter(build.target, drafter, held, continuation_start=FULL.context_len, ends=held_ends)
+        row = {
+            "variant": f"reference: {args.reference.name}",
+            "layers": drafter.config.num_hidden_layers,
+            "block_size": drafter.config.block_size,
+            "steps": None,
+            "seconds_per_step": None,
+            "drafter_mb": round(drafter_bytes(args.reference) / 1e6, 1),
+            "heldout_acceptance": round(metrics["acceptance"], 4),
+            "heldout_tau": round(metrics["tau"], 4),
+            "heldout_cycles": metrics["cycles"],
         }
         rows.append(row)
         print(json.dumps(row), flush=True)
