@@ -1,14 +1,17 @@
 """Where does speculation pay? One table over pair x temperature x prompt x mode.
 
     python benchmarks/conditions.py [--draft-model D [--model M] [--prompts F]] [--limit 4] [--max-tokens 96]
-                                    [--long 3000] [--temps 0,0.7,1.0] [--repeats 3] [--json out.json]
+                                    [--long 3000] [--temps 0,0.7,1.0] [--repeats 3] [--modes 2,4,8,auto]
+                                    [--json out.json]
 
 - pair: the embedded pair, plus the pair given by --model / --draft-model (--draft-model alone:
   the embedded target with that drafter, e.g. a weaker one from `dflash2-mlx train-drafter`);
 - temperature: 0, 0.7, 1.0;
 - prompt: the pair's prompt set (the embedded pair's own, first --limit) and one held-out
-  standard-library text of about --long tokens, fed as is;
-- mode: plain decoding, the fixed loop at block 2 / 4 / 8, and auto (the break-even controller).
+  standard-library text of about --long tokens, fed as is (--limit 0: only that one);
+- mode: plain decoding, the fixed loop at block 2 / 4 / 8, and auto (the break-even controller);
+  --modes keeps some of them (plain always runs: every ratio is to it), e.g. to measure one
+  cell longer.
 
 Per cell: decode tok/s, acceptance length (cycle tokens / speculative cycles) and speedup over
 plain decoding, measured in the same run. After an untimed warm-up of every mode (which also
@@ -56,14 +59,17 @@ def run_mode(target, drafter, ids, mode: str, temperature: float, max_tokens: in
     return collect(generate_speculative(target.runner, drafter, ids, settings))[1]
 
 
-def cell_rows(target, drafter, prompts: list[list[int]], temperature: float, max_tokens: int, repeats: int = 3) -> dict:
+def cell_rows(
+    target, drafter, prompts: list[list[int]], temperature: float, max_tokens: int, repeats: int = 3, wanted=MODES
+) -> dict:
     """Every mode on every prompt, ``repeats`` rounds, interleaved -> per mode: tok/s, acceptance,
     speedup (median over rounds of the same round's ratio to plain) and its spread, controller."""
     import statistics
 
     from dflash2_mlx.diagnostics.bench import merge_controller
 
-    modes = [m for m in MODES if m == "plain" or m == "auto" or int(m) <= drafter.config.block_size]
+    fits = [m for m in MODES if m == "plain" or m == "auto" or int(m) <= drafter.config.block_size]
+    modes = [m for m in fits if m == "plain" or m in wanted]
     for mode in modes:  # warm-up
         run_mode(target, drafter, prompts[0], mode, temperature, min(max_tokens, 32), 0)
     others = [m for m in modes if m != "plain"]
@@ -118,6 +124,7 @@ def main(argv=None) -> int:
     ap.add_argument("--long", type=int, default=3000, help="tokens of the long prompt")
     ap.add_argument("--temps", default="0,0.7,1.0")
     ap.add_argument("--repeats", type=int, default=3, help="rounds of every mode on every prompt (median)")
+    ap.add_argument("--modes", default=",".join(MODES[1:]), help="modes besides plain decoding")
     ap.add_argument("--json", type=Path, default=None)
     ap.add_argument("--skip-embedded", action="store_true", help="only the --draft-model pair")
     ap.add_argument(
@@ -127,6 +134,9 @@ def main(argv=None) -> int:
         help="the --draft-model pair's prompt set (bench's JSON lines; default: the embedded pair's prompts)",
     )
     args = ap.parse_args(argv)
+    wanted = args.modes.split(",")
+    if unknown := set(wanted) - set(MODES[1:]):
+        ap.error(f"unknown modes {sorted(unknown)}: choose among {', '.join(MODES[1:])}")
 
     sys.path.insert(0, str(Path(__file__).parent))
     from long_context import held_out_tokens
@@ -156,9 +166,10 @@ def main(argv=None) -> int:
             f"prompt set ({args.limit})": [encode_line(tok, line) for line in lines[: args.limit]],
             f"long ({args.long} tokens)": [held_out_tokens(tok, args.long)],
         }
+        prompt_sets = {name: prompts for name, prompts in prompt_sets.items() if prompts}
         for temperature in temps:
             for prompt_name, prompts in prompt_sets.items():
-                rows = cell_rows(target, drafter, prompts, temperature, args.max_tokens, args.repeats)
+                rows = cell_rows(target, drafter, prompts, temperature, args.max_tokens, args.repeats, wanted)
                 cell = {"pair": name, "temperature": temperature, "prompt": prompt_name, "modes": rows}
                 report["cells"].append(cell)
                 print(_line(cell), flush=True)
@@ -183,23 +194,25 @@ def markdown(report: dict) -> str:
     for cell in report["cells"]:
         rows = cell["modes"]
         fixed = [rows[m]["speedup"] for m in MODES[1:-1] if m in rows]
-        best = max(fixed)
-        auto = rows["auto"]["speedup"]
-        target_line = f"{auto / best:.2f} of best" if best > 1 else f"{auto:.2f}x plain"
-        c = rows["auto"]["controller"] or {}
-        share = c.get("share_by_mode", {})
-        chose = (
-            f"{100 * share.get('speculative', 0):.0f}% spec / {100 * share.get('plain', 0):.0f}% plain / "
-            f"{100 * share.get('probe', 0):.0f}% probe; blocks "
-            + " ".join(f"{b}:{n}" for b, n in c.get("block_sizes", {}).items())
-        )
+        best = max(fixed, default=0.0)
         cells = [cell["pair"], f"{cell['temperature']:g}", cell["prompt"], f"{rows['plain']['decode_tps']:.0f}"]
         cells += [
             f"{rows[m]['speedup']:.2f}x ({rows[m]['acceptance_length']:.2f})" if m in rows else "–" for m in MODES[1:]
         ]
-        lo, hi = rows["auto"].get("speedup_range", (auto, auto))
-        cells[-1] += f" [{lo:.2f}–{hi:.2f}]"
-        cells += [target_line, chose]
+        if "auto" not in rows:
+            cells += ["–", "–"]
+        else:
+            auto = rows["auto"]["speedup"]
+            lo, hi = rows["auto"].get("speedup_range", (auto, auto))
+            cells[-1] += f" [{lo:.2f}–{hi:.2f}]"
+            c = rows["auto"]["controller"] or {}
+            share = c.get("share_by_mode", {})
+            chose = (
+                f"{100 * share.get('speculative', 0):.0f}% spec / {100 * share.get('plain', 0):.0f}% plain / "
+                f"{100 * share.get('probe', 0):.0f}% probe; blocks "
+                + " ".join(f"{b}:{n}" for b, n in c.get("block_sizes", {}).items())
+            )
+            cells += [f"{auto / best:.2f} of best" if best > 1 else f"{auto:.2f}x plain", chose]
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
