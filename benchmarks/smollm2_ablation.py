@@ -89,6 +89,21 @@ def main(argv=None) -> int:
     vocab = build.trained_vocab()
     held = heldout_sequences(build, args.work / "ablation" / "heldout_answers.npz")
     held_ends = answer_ends(held, FULL.context_len, FULL.drafter_options["answer_end_token_ids"])
+
+    def scored(name: str, drafter_dir: Path) -> dict:
+        """The drafter's shape, size and held-out acceptance: the row every variant shares."""
+        drafter = load_drafter(str(drafter_dir))
+        metrics = evaluate_drafter(build.target, drafter, held, continuation_start=FULL.context_len, ends=held_ends)
+        return {
+            "variant": name,
+            "layers": drafter.config.num_hidden_layers,
+            "block_size": drafter.config.block_size,
+            "drafter_mb": round(drafter_bytes(drafter_dir) / 1e6, 1),
+            "heldout_acceptance": round(metrics["acceptance"], 4),
+            "heldout_tau": round(metrics["tau"], 4),
+            "heldout_cycles": metrics["cycles"],
+        }
+
     rows = []
     for name in args.variants.split(","):
         plan = dataclasses.replace(FULL, name=f"ablation-{name}", drafter_steps=args.steps, **VARIANTS[name])
@@ -96,41 +111,21 @@ def main(argv=None) -> int:
         t0 = time.perf_counter()
         trained = train(plan, build.target, sequences, out, build.log, features=kept, draft_vocab=vocab)
         seconds = time.perf_counter() - t0
-        metrics = evaluate_drafter(
-            build.target, load_drafter(str(out)), held, continuation_start=plan.context_len, ends=held_ends
-        )
         state = json.loads((out / "training_state" / "state.json").read_text())
-        row = {
-            "variant": name,
-            "layers": plan.drafter_layers,
-            "block_size": plan.drafter_block_size,
-            "steps": trained["steps"],
-            "seconds_per_step": round(state["elapsed"] / max(trained["steps"], 1), 3),
-            "seconds_this_run": round(seconds, 1),
-            "drafter_mb": round(drafter_bytes(out) / 1e6, 1),
-            "heldout_acceptance": round(metrics["acceptance"], 4),
-            "heldout_tau": round(metrics["tau"], 4),
-            "heldout_cycles": metrics["cycles"],
-            "final_train_loss": state["history"][-1]["loss"] if state["history"] else None,
-        }
-        rows.append(row)
-        print(json.dumps(row), flush=True)
+        rows.append(
+            scored(name, out)
+            | {
+                "steps": trained["steps"],
+                "seconds_per_step": round(state["elapsed"] / max(trained["steps"], 1), 3),
+                "seconds_this_run": round(seconds, 1),
+                "final_train_loss": state["history"][-1]["loss"] if state["history"] else None,
+            }
+        )
+        print(json.dumps(rows[-1]), flush=True)
     if args.reference:
-        drafter = load_drafter(str(args.reference))
-        metrics = evaluate_drafter(build.target, drafter, held, continuation_start=FULL.context_len, ends=held_ends)
-        row = {
-            "variant": f"reference: {args.reference.name}",
-            "layers": drafter.config.num_hidden_layers,
-            "block_size": drafter.config.block_size,
-            "steps": None,
-            "seconds_per_step": None,
-            "drafter_mb": round(drafter_bytes(args.reference) / 1e6, 1),
-            "heldout_acceptance": round(metrics["acceptance"], 4),
-            "heldout_tau": round(metrics["tau"], 4),
-            "heldout_cycles": metrics["cycles"],
-        }
-        rows.append(row)
-        print(json.dumps(row), flush=True)
+        reference = scored(f"reference: {args.reference.name}", args.reference)
+        rows.append(reference | {"steps": None, "seconds_per_step": None})
+        print(json.dumps(rows[-1]), flush=True)
     print("\n| variant | layers | block | steps | s / step | MB | held-out acceptance (greedy, own block) |")
     print("|---|---|---|---|---|---|---|")
     for r in rows:
