@@ -26,14 +26,19 @@ def _number(value) -> str:
     return f"{value:.2f}" if isinstance(value, (int, float)) else "n/a"
 
 
-def _draft_vocab_line(record) -> str:
+def _draft_vocab_line(record, trained_on_it: bool) -> str:
     if not record:
         return "It scores the whole vocabulary."
+    evaluation = (
+        "It was trained on that vocabulary, and the evaluation below drafts with it."
+        if trained_on_it
+        else "The evaluation below drafts with the whole head."
+    )
     return (
         f"Its head scores a draft vocabulary of {record['size']} token ids (`draft_vocab`): every one of the "
         f"{record['distinct_training_tokens']} distinct tokens of the target's answers to the training prompts, "
         "then the lowest ids. A draft reads those rows of the target's head only; decoding stays lossless "
-        "(a token outside it is never drafted). The evaluation below drafts with the whole head."
+        f"(a token outside it is never drafted). {evaluation}"
     )
 
 
@@ -53,8 +58,8 @@ def model_card(manifest: dict) -> str:
 A DFlash 2 block drafter for **SmolLM2-135M-Instruct**, trained by this project's trainer
 (`{manifest["command"]}`, build `{manifest["build"]}`). It shares the target's embedding and
 LM head (vocabulary 49152, hidden 576); {plan.get("drafter_layers")} layer(s), block size
-{plan.get("drafter_block_size")}, taps {plan.get("drafter_taps")} of the target's 30 layers.
-{_draft_vocab_line(manifest.get("draft_vocab"))}
+{plan.get("drafter_block_size")}, taps {list(plan.get("drafter_taps") or [])} of the target's 30 layers.
+{_draft_vocab_line(manifest.get("draft_vocab"), bool(plan.get("train_on_draft_vocab")))}
 
 ## Target and credit
 
