@@ -137,6 +137,41 @@ def test_the_pairs_history_is_the_next_requests_prior():
     assert other_temperature.choose(16) > PLAIN  # no history there: a pair is first assumed to speculate well
 
 
+def test_a_known_pairs_poor_history_keeps_a_request_from_speculating_at_a_loss():
+    # block 2 costs 1.12 plain steps and is accepted 10% of the time (1.10 tokens): plain pays.
+    # The pair's history says 10%: a request starts there, not at the optimistic prior for new pairs
+    profile = _profile(step=1.0, per_row=0.06, base=1.0)
+    history = profile.acceptance(0.0)
+    for i in range(60):
+        history.observe(2, int(i % 10 == 0), 0.98)
+    controller = BreakEvenController(profile, MAX_BLOCK, greedy=True, temperature=0.0)
+    assert controller._rates()[0] == pytest.approx(0.1, abs=0.02)
+    sizes, _, _ = _simulate(controller, 0.1, 40, 1.0, 0.06, 1.0, seed=3)
+    assert sizes.count(PLAIN) >= 36  # a probe or so, no stretch of losing blocks
+
+
+def test_a_launched_verify_pass_is_charged_to_its_own_cycle_and_a_drafted_one_is_not(monkeypatch):
+    # on the CPU backend launching a pass waits for most of its compute: a plain step that
+    # launches the next cycle's pass hands that time on; a block that only drafts ahead keeps it
+    from dflash2_mlx.decoding import hooks
+
+    now = iter([0.0, 0.004, 0.054, 0.056, 1.0, 1.002, 1.010, 2.0, 2.001, 2.060])
+    monkeypatch.setattr(hooks.time, "perf_counter", lambda: next(now))
+    clock = hooks.CycleClock()
+    clock.start_cycle()  # a plain step whose launch (50 ms) computes the next cycle's pass
+    clock.start_launch()
+    clock.end_launch(next_pass_launched=True)
+    assert clock.cycle_seconds() == pytest.approx(0.006)
+    clock.start_cycle()  # that cycle: its launch drafts ahead only, so it keeps it
+    clock.start_launch()
+    clock.end_launch(next_pass_launched=False)
+    assert clock.cycle_seconds() == pytest.approx(0.010 + 0.050)
+    clock.start_cycle()  # the next one built and launched its own pass: all its time is its own
+    clock.start_launch()
+    clock.end_launch(next_pass_launched=False)
+    assert clock.cycle_seconds() == pytest.approx(0.060)
+
+
 def test_costs_are_per_context_bucket_and_borrow_the_nearest_buckets_shape():
     table = CostTable()
     for b, t in ((1, 1.0), (2, 2.0), (4, 3.0)):

@@ -113,6 +113,9 @@ class SpeculativeRequest:
             verdict = self.accept_drafts(drafts, logits, draft.q, draft.candidates)
         else:  # a plain step picks from its one row exactly as plain decoding does
             verdict = Verdict(self.none_accepted, plain_step_token(logits, self.sampling))
+        # Launched as soon as built, so the pass computes in the resumption that built it (the
+        # cycle clock charges it there; on the CPU backend this waits for most of it)
+        mx.async_eval(verdict.accepted, verdict.bonus, result.features)
         return Verified(drafts, result.features, result.recorded, logits, *verdict)
 
     def queue_plain_step(self, verified: Verified) -> None:
@@ -128,10 +131,8 @@ class SpeculativeRequest:
         if verified.block_size == 1 and self.grammar.verify_ahead_of_commit:
             draft = self.draft(verified.bonus, block_size)
             next_verified = yield from self.verify(verified.bonus, draft, pending=[verified.bonus])
-            mx.async_eval(next_verified.bonus)
             return Ahead(draft, next_verified)
         if verified.block_size > 1 and block_size > 1:
-            mx.async_eval(verified.accepted, verified.bonus, verified.features)
             self.feed.absorb_tentatively(verified.features, keep=verified.accepted + 1)
             return Ahead(self.draft(verified.bonus, block_size))
         return NOTHING_AHEAD

@@ -82,14 +82,19 @@ class CycleClock:
 
     A cycle is timed within one resumption of the generator (from after its ``yield`` to the end
     of its bookkeeping), never across a yield, so time the consumer spends elsewhere never counts.
-    Building the next cycle ahead happens inside this one's resumption but is the next one's cost:
-    it is taken out of this cycle's time and added to the next one's.
+    When a resumption launches the next cycle's verify pass (after a plain step), that launch is
+    the next cycle's cost: it is taken out of this cycle's time and added to the next one's. On
+    the CPU backend ``mx.async_eval`` of a big graph waits for most of it, so such a launch holds
+    the next pass's compute; launching only a draft ahead stays with this cycle (the pass it waits
+    for is this one's, launched when it was built). Charging every launch to the next cycle shifted
+    times by one cycle at each switch of size: a plain step after a block was timed at 14 ms and
+    the next at 100 (54 each), and the controller decided on those.
     """
 
     def __init__(self):
         self.resumed = self.launch_started = 0.0
-        self.launch_seconds = 0.0  # building the next cycle, during this one
-        self.built_ahead = 0.0  # the previous cycle's launch_seconds: building this one
+        self.launch_seconds = 0.0  # launching the next cycle's verify pass, during this one
+        self.built_ahead = 0.0  # the previous cycle's launch_seconds: launching this one
 
     def start_cycle(self) -> None:
         self.resumed = time.perf_counter()
@@ -97,8 +102,9 @@ class CycleClock:
     def start_launch(self) -> None:
         self.launch_started = time.perf_counter()
 
-    def end_launch(self) -> None:
-        self.launch_seconds = time.perf_counter() - self.launch_started
+    def end_launch(self, next_pass_launched: bool) -> None:
+        """The launch is over; ``next_pass_launched``: it launched the next cycle's verify pass."""
+        self.launch_seconds = time.perf_counter() - self.launch_started if next_pass_launched else 0.0
 
     def cycle_seconds(self) -> float:
         """This cycle's cost so far; call once, at its end."""

@@ -87,7 +87,7 @@ def speculative_steps(
         ahead = NOTHING_AHEAD
         if launch_ahead and out.room - size >= max(block_size - 1, 1):
             ahead = yield from request.launch_next(verified, block_size)
-        clock.end_launch()
+        clock.end_launch(next_pass_launched=ahead.verified is not None)
         # 3. Accept: the cycle's one host sync reads the verdict
         accepted, new_tokens = verified.read()  # new_tokens: the accepted drafts + the bonus
         profiler.mark("accept")

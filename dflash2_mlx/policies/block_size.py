@@ -150,8 +150,13 @@ class PositionAcceptance:
         """Conditional acceptance per position. ``prior``'s counts join this one's, scaled to at
         most ``prior_weight`` cycles per position; each position is then shrunk towards the one
         before it by ``SMOOTHING`` cycles, so a position not tested lately (the blocks got shorter)
-        follows the ones that were instead of keeping a stale rate."""
+        follows the ones that were instead of keeping a stale rate. The first position is shrunk
+        towards ``prior``'s own rate there, or ``PRIOR_RATE`` for a pair with no history yet: the
+        optimistic prior is for a new pair, and kept for a known one it held a request on text the
+        drafter cannot predict at a rate twice its true one (0.2 for 0.1), speculating at a loss."""
         out, last = [], PRIOR_RATE
+        if prior is not None and prior.tested[0] > 1e-3:
+            last = prior.accepted[0] / prior.tested[0]
         for j, (t, a) in enumerate(zip(self.tested, self.accepted)):
             if prior is not None and prior.tested[j] > 1e-3:
                 scale = min(1.0, prior_weight / prior.tested[j])
