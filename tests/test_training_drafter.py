@@ -739,6 +739,33 @@ def test_a_minutes_budget_ends_the_run_by_the_clock(target, sequences, tmp_path)
     assert load_drafter(str(out)).config.architecture == DFLASH2
 
 
+def test_a_drafter_over_its_size_budget_is_refused_before_it_trains(target, sequences, tmp_path):
+    out = train_drafter(
+        target, sequences, tmp_path / "fits", small_config(steps=1), continuation_start=PREFIX, progress=False
+    )
+    size = (out / "model.safetensors").stat().st_size
+    with pytest.raises(ValueError, match="over the .* MB budget"):
+        train_drafter(
+            target,
+            sequences,
+            tmp_path / "big",
+            small_config(steps=1),
+            continuation_start=PREFIX,
+            progress=False,
+            max_bytes=size // 2,
+        )
+    assert not (tmp_path / "big" / "model.safetensors").exists()  # no step ran, nothing was written
+    train_drafter(
+        target,
+        sequences,
+        tmp_path / "ok",
+        small_config(steps=1),
+        continuation_start=PREFIX,
+        progress=False,
+        max_bytes=size,
+    )
+
+
 def test_init_from_a_dflash1_drafter_grows_dflash2_parts(target, sequences, tmp_path):
     v1 = train_drafter(
         target,

@@ -125,6 +125,7 @@ def train_drafter(
     progress: bool = True,
     features: Optional[TargetFeatures] = None,
     draft_vocab: Optional[np.ndarray] = None,
+    max_bytes: Optional[int] = None,
 ) -> Path:
     """Train a drafter on ``sequences`` (int32 [n, S], ideally from ``generate_training_sequences``).
 
@@ -140,6 +141,9 @@ def train_drafter(
     scoring only those ids (``Drafter.set_draft_vocab``); its cross-entropy and soft targets are
     taken over them, and the checkpoint carries them. On a small target the LM head over every
     block row is most of a step (SmolLM2: 49152 columns against 8192).
+
+    ``max_bytes``: the checkpoint's size budget (a packaged drafter's), checked before the first
+    step, so that a drafter too big to ship does not train first.
     """
     config.validate()
     out_dir = Path(out_dir)
@@ -191,6 +195,13 @@ def train_drafter(
     from dflash2_mlx.models.loading import validate_pair
 
     validate_pair(runner, drafter_config)
+    if max_bytes is not None:
+        size = sum(v.nbytes for _, v in tree_flatten(drafter.parameters())) + (0 if vocab is None else 4 * len(vocab))
+        if size > max_bytes:
+            raise ValueError(
+                f"this drafter's weights take {size / 1e6:.1f} MB, over the {max_bytes / 1e6:.0f} MB budget: "
+                "train fewer layers or a smaller draft vocabulary, or raise the budget"
+            )
     freeze_ablations(drafter, config)
     drafter.train()
 

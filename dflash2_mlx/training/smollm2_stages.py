@@ -255,6 +255,7 @@ def train(
         progress=progress,
         features=features,
         draft_vocab=draft_vocab,
+        max_bytes=plan.max_drafter_bytes,
     )
     seconds = time.perf_counter() - t0
     size = drafter_bytes(out_dir)
