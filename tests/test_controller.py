@@ -113,6 +113,25 @@ def test_probes_go_one_at_a_time_and_are_priced_at_what_they_really_cost():
     assert controller.summary()["probe_share_of_decode_time"] == pytest.approx(probe_seconds / seconds, rel=0.05)
 
 
+def test_a_block_after_plain_steps_does_not_set_the_blocks_steady_cost():
+    # Block 2 costs 1.1 plain steps in a run of blocks and accepts 30%: 1.18x plain, it pays. The
+    # first block after plain steps (a probe, or the end of a plain-step re-timing) costs 1.6:
+    # timed into the table, it made block 2 look like a loss and held the request plain.
+    profile = _profile(step=1.0, per_row=0.5, base=0.1)  # bigger blocks cost too much to pay
+    controller = BreakEvenController(profile, MAX_BLOCK, greedy=True, temperature=0.0)
+    rng = random.Random(5)
+    sizes, context = [], 16
+    for _ in range(1500):
+        b = controller.choose(context)
+        accepted = sum(1 for _ in range(b - 1) if rng.random() < 0.3)
+        after_plain = b > PLAIN and (not sizes or sizes[-1] == PLAIN)
+        seconds = 1.0 if b == PLAIN else 0.1 + 0.5 * b + (0.5 if after_plain else 0.0)
+        controller.observe(b, accepted, seconds, context)
+        sizes.append(b)
+        context += accepted + 1
+    assert sizes[-500:].count(2) > 0.9 * 500
+
+
 def test_probes_notice_when_acceptance_recovers():
     profile = _profile(step=1.0, per_row=0.1, base=1.0)
     controller = BreakEvenController(profile, MAX_BLOCK, greedy=True, temperature=0.0)

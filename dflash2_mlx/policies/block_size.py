@@ -15,9 +15,13 @@ distribution, whatever its size), so a policy only trades speed.
   also pulled towards the one before it, so one not tested lately follows those that were.
 - Costs are seconds per cycle of each size (1 = a plain step) per context-length bucket, timed by
   the loop itself: a short calibration run at the pair's first use times real cycles of every
-  size, and every later cycle refines its own entry. A cycle is timed within one resumption of
+  size, and every later cycle of the same kind as the one before it (a block after a block, a
+  plain step after a plain step) refines its own entry. A cycle is timed within one resumption of
   the generator (from after the ``yield`` to the end of its bookkeeping), never across a yield, so
   time the consumer spends elsewhere (other requests of a scheduler, printing) never counts.
+  The first block after plain steps is not a block's steady cost: its drafter first takes in the
+  plain steps' rows, and it could not be drafted ahead (SmolLM2: 1.35 plain steps against 1.1).
+  Timed into the table, such probes priced block 2 out of a request once it went plain.
 - When no block beats a plain step, it decodes plainly and probes with an occasional speculative
   cycle, so that it notices when acceptance recovers; symmetrically, while speculating it re-times
   a plain step with a few plain steps every ``PLAIN_REFRESH`` cycles (a plain step's cost is
@@ -44,7 +48,7 @@ PROBE_BUDGET = 0.01  # of decode time; the documented bound (3%) leaves room for
 PRIOR_RATE = 0.9  # conditional acceptance assumed for a pair with no history yet: speculate first, then learn
 PRIOR_WEIGHT = 2.0  # the pair's history counts as at most this many cycles of the request's own
 SMOOTHING = 1.0  # cycles' worth of pull of each position's rate towards the previous position's
-REQUEST_DECAY = 0.85  # per cycle: a request's acceptance follows its text (code, prose, a tool call)
+REQUEST_DECAY = 0.93  # per cycle: a request's acceptance follows its text (code, prose, a tool call)
 PAIR_DECAY = 0.98  # per cycle: the pair's history spans a few requests
 COST_DECAY = 0.8  # per timed cycle of that size and bucket
 PLAIN_REFRESH = 48  # speculative cycles after which a few plain steps re-time a plain step (symmetric to probes)
@@ -310,6 +314,7 @@ class BreakEvenController:
         self.tally = _Tally()
         self.plan: Optional[tuple] = None  # (best block, its rate / plain rate, bucket, ...), cached
         self.cycles = 0
+        self.previous: Optional[int] = None  # the last observed cycle's block size
         self.since_plain = 0  # cycles since a plain step was timed
         self.refresh = 0  # plain steps still to run to re-time a plain step
 
@@ -384,7 +389,9 @@ class BreakEvenController:
     def observe(self, block_size: int, accepted: int, seconds: float, context_len: int) -> None:
         self.cycles += 1
         self.decode_seconds += seconds
-        self.costs.observe(block_size, context_len, seconds)
+        if self.previous is not None and (self.previous > PLAIN) == (block_size > PLAIN):
+            self.costs.observe(block_size, context_len, seconds)  # a steady cycle (module docstring)
+        self.previous = block_size
         self.since_plain = 0 if block_size == PLAIN else self.since_plain + 1
         if block_size > PLAIN:
             self.mine.observe(block_size, accepted, REQUEST_DECAY)
