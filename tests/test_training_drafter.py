@@ -740,30 +740,17 @@ def test_a_minutes_budget_ends_the_run_by_the_clock(target, sequences, tmp_path)
 
 
 def test_a_drafter_over_its_size_budget_is_refused_before_it_trains(target, sequences, tmp_path):
-    out = train_drafter(
-        target, sequences, tmp_path / "fits", small_config(steps=1), continuation_start=PREFIX, progress=False
-    )
-    size = (out / "model.safetensors").stat().st_size
-    with pytest.raises(ValueError, match="over the .* MB budget"):
-        train_drafter(
-            target,
-            sequences,
-            tmp_path / "big",
-            small_config(steps=1),
-            continuation_start=PREFIX,
-            progress=False,
-            max_bytes=size // 2,
+    def train(name, max_bytes=None):
+        config = small_config(steps=1)
+        return train_drafter(
+            target, sequences, tmp_path / name, config, continuation_start=PREFIX, progress=False, max_bytes=max_bytes
         )
+
+    size = (train("fits") / "model.safetensors").stat().st_size
+    with pytest.raises(ValueError, match="over the .* MB budget"):
+        train("big", max_bytes=size // 2)
     assert not (tmp_path / "big" / "model.safetensors").exists()  # no step ran, nothing was written
-    train_drafter(
-        target,
-        sequences,
-        tmp_path / "ok",
-        small_config(steps=1),
-        continuation_start=PREFIX,
-        progress=False,
-        max_bytes=size,
-    )
+    train("ok", max_bytes=size)  # the parameters' bytes are within the file's
 
 
 def test_init_from_a_dflash1_drafter_grows_dflash2_parts(target, sequences, tmp_path):
