@@ -47,6 +47,15 @@ def config_record(config: DrafterTrainingConfig) -> dict:
     return dataclasses.asdict(config)
 
 
+def checkpoint_tensors(drafter: Drafter) -> dict[str, mx.array]:
+    """What a drafter checkpoint's model.safetensors holds: the parameters, and the draft
+    vocabulary when it has one (the layout load_drafter reads; config.json has its size)."""
+    tensors = dict(tree_flatten(drafter.parameters()))
+    if drafter.draft_vocab is not None:
+        tensors[DRAFT_VOCAB_KEY] = drafter.draft_vocab
+    return tensors
+
+
 def save_checkpoint(out_dir: Path, drafter: Drafter, optimizer: optim.Optimizer, state: dict) -> None:
     """Weights + config in the real layout, optimiser state + bookkeeping in training_state/.
 
@@ -58,10 +67,7 @@ def save_checkpoint(out_dir: Path, drafter: Drafter, optimizer: optim.Optimizer,
     tmp_model = sd / "model.partial.safetensors"
     tmp_opt = sd / "optimizer.partial.safetensors"
     # sorted names: the same state gives the same bytes, however the trees were built
-    tensors = dict(tree_flatten(drafter.parameters()))
-    if drafter.draft_vocab is not None:  # the layout load_drafter reads (config.json has its size)
-        tensors[DRAFT_VOCAB_KEY] = drafter.draft_vocab
-    mx.save_safetensors(str(tmp_model), dict(sorted(tensors.items())))
+    mx.save_safetensors(str(tmp_model), dict(sorted(checkpoint_tensors(drafter).items())))
     moments = ((k, v) for k, v in tree_flatten(optimizer.state) if k not in ("step", "learning_rate"))
     mx.save_safetensors(str(tmp_opt), dict(sorted(moments)))
     tmp_cfg = sd / "config.partial.json"

@@ -100,6 +100,7 @@ from dflash2_mlx.training.drafter_batches import (
     step_rng,
 )
 from dflash2_mlx.training.drafter_checkpoint import (
+    checkpoint_tensors,
     config_record,
     data_fingerprint,
     load_checkpoint_state,
@@ -196,7 +197,7 @@ def train_drafter(
 
     validate_pair(runner, drafter_config)
     if max_bytes is not None:
-        size = sum(v.nbytes for _, v in tree_flatten(drafter.parameters())) + (0 if vocab is None else 4 * len(vocab))
+        size = sum(v.nbytes for v in checkpoint_tensors(drafter).values())
         if size > max_bytes:
             raise ValueError(
                 f"this drafter's weights take {size / 1e6:.1f} MB, over the {max_bytes / 1e6:.0f} MB budget: "
