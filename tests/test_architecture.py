@@ -2,7 +2,8 @@
 
 The layers, bottom to top, are the subpackages of ``dflash2_mlx`` (docs/architecture.md draws
 them). A module may import its own layer and the layers below it, never a layer above: a cycle
-or an upward import is how a codebase stops being readable one folder at a time.
+or an upward import is how a codebase stops being readable one folder at a time. Every import
+counts: module-level, lazy (inside a function) and type-only (inside ``if TYPE_CHECKING:``).
 """
 
 from __future__ import annotations
@@ -41,50 +42,42 @@ def _module_name(path: Path) -> str:
     return ".".join(parts)
 
 
-def _type_checking_lines(tree: ast.Module) -> set[int]:
-    """Lines inside ``if TYPE_CHECKING:`` blocks: imports for annotations only, never run."""
-    lines: set[int] = set()
-    for node in ast.walk(tree):
-        if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
-            for child in node.body:
-                lines.update(range(child.lineno, child.end_lineno + 1))
-    return lines
+def module_imports(source: str, name: str, package: str, files: set[str]) -> set[str]:
+    """The package modules that the module ``name`` (source text ``source``) imports: at module
+    level, inside functions (a lazy import is still an import) and inside ``if TYPE_CHECKING:``
+    (a type-only import still ties the two modules together for a reader)."""
+    targets: set[str] = set()
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.ImportFrom):
+            if node.module == "dflash2_mlx" and [a.name for a in node.names] == ["__version__"]:
+                continue  # the version string, defined before the API: no dependency on a layer
+            if node.level:
+                base = package.split(".")[: len(package.split(".")) - node.level + 1]
+                module = ".".join(base + ([node.module] if node.module else []))
+            else:
+                module = node.module or ""
+            submodules = [f"{module}.{a.name}" for a in node.names if f"{module}.{a.name}" in files]
+            # `from pkg import sub` imports the module sub; `from mod import name` imports mod
+            candidates = submodules if len(submodules) == len(node.names) else [module, *submodules]
+        elif isinstance(node, ast.Import):
+            candidates = [a.name for a in node.names]
+        else:
+            continue
+        for candidate in candidates:
+            while candidate and candidate not in files:  # a name inside a module -> the module
+                candidate = candidate.rpartition(".")[0]
+            if candidate:
+                targets.add(candidate)
+    return targets - {name}
 
 
 def import_graph() -> dict[str, set[str]]:
-    """Every module of the package -> the package modules it imports at run time (at module
-    level or inside functions: a lazy import is still an import)."""
+    """Every module of the package -> the package modules it imports (``module_imports``)."""
     files = {_module_name(p): p for p in PACKAGE.rglob("*.py")}
     graph: dict[str, set[str]] = {}
     for name, path in files.items():
-        tree = ast.parse(path.read_text())
-        skip = _type_checking_lines(tree)
         package = name if path.name == "__init__.py" else name.rsplit(".", 1)[0]
-        targets: set[str] = set()
-        for node in ast.walk(tree):
-            if getattr(node, "lineno", None) in skip:
-                continue
-            if isinstance(node, ast.ImportFrom):
-                if node.module == "dflash2_mlx" and [a.name for a in node.names] == ["__version__"]:
-                    continue  # the version string, defined before the API: no dependency on a layer
-                if node.level:
-                    base = package.split(".")[: len(package.split(".")) - node.level + 1]
-                    module = ".".join(base + ([node.module] if node.module else []))
-                else:
-                    module = node.module or ""
-                submodules = [f"{module}.{a.name}" for a in node.names if f"{module}.{a.name}" in files]
-                # `from pkg import sub` imports the module sub; `from mod import name` imports mod
-                candidates = submodules if len(submodules) == len(node.names) else [module, *submodules]
-            elif isinstance(node, ast.Import):
-                candidates = [a.name for a in node.names]
-            else:
-                continue
-            for candidate in candidates:
-                while candidate and candidate not in files:  # a name inside a module -> the module
-                    candidate = candidate.rpartition(".")[0]
-                if candidate:
-                    targets.add(candidate)
-        graph[name] = targets - {name}
+        graph[name] = module_imports(path.read_text(), name, package, set(files))
     return graph
 
 
@@ -141,3 +134,15 @@ def test_the_graph_sees_lazy_and_relative_imports():
     graph = import_graph()
     assert "dflash2_mlx.models.target" in graph["dflash2_mlx.models.loading"]
     assert any(t.startswith("dflash2_mlx.models") for t in graph["dflash2_mlx.cli.app"])
+
+
+def test_type_only_and_lazy_imports_count_for_the_no_mutual_imports_rule():
+    """An ``if TYPE_CHECKING:`` import and a function-level import are edges, so two modules that
+    refer to each other only through them still make a cycle (the package's own prefix cache
+    names the disk cache for annotations only: that edge is seen)."""
+    files = {"dflash2_mlx.caches.a", "dflash2_mlx.caches.b"}
+    a = "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from dflash2_mlx.caches.b import B\n"
+    b = "def f():\n    from dflash2_mlx.caches import a\n    return a\n"
+    assert module_imports(a, "dflash2_mlx.caches.a", "dflash2_mlx.caches", files) == {"dflash2_mlx.caches.b"}
+    assert module_imports(b, "dflash2_mlx.caches.b", "dflash2_mlx.caches", files) == {"dflash2_mlx.caches.a"}
+    assert "dflash2_mlx.caches.disk" in import_graph()["dflash2_mlx.caches.prefix"]

@@ -1,2 +1,2 @@
 """Caches: the target's (KV trim, Gated DeltaNet rollback), the drafter's context K/V, and prompt-prefix
-snapshots in memory (``prefix``) and on disk (``disk``)."""
+snapshots (``snapshot``, one entry) in memory (``prefix``) and on disk (``disk``)."""

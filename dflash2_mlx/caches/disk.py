@@ -1,6 +1,6 @@
 """Prefix snapshots on disk: a prompt cache that survives restarts and in-memory eviction.
 
-A snapshot (``prefix_cache.PrefixEntry``: the target cache, every Gated DeltaNet layer's conv
+A snapshot (``snapshot.PrefixEntry``: the target cache, every Gated DeltaNet layer's conv
 window and recurrent state included, the drafter's context cache, and the last logits of a whole
 prompt) is valid only for its exact token prefix and its exact (target, drafter, dtype, mlx-lm)
 identity. On disk:
@@ -42,6 +42,7 @@ import numpy as np
 
 from dflash2_mlx.backend.files import sha256_file
 from dflash2_mlx.caches.drafter_context import ContextCache
+from dflash2_mlx.caches.snapshot import PrefixEntry
 from dflash2_mlx.caches.target import CacheSnapshot
 
 log = logging.getLogger("dflash2_mlx.prompt_cache")
@@ -131,8 +132,6 @@ class DiskPrefixCache:
         request, read back as a ``PrefixEntry``; None if there is none (or none is intact).
 
         As in memory, the whole prompt counts only when its logits were stored."""
-        from dflash2_mlx.caches.prefix import PrefixEntry
-
         for hit in self._candidates(tokens, need_context, longer_than):
             entry = self._read(hit, tokens)
             if entry is None:

@@ -5,7 +5,7 @@ starts with exactly its tokens. The engine stores snapshots at the end of each p
 and at caller-given positions inside it (chat message boundaries), where later prompts really
 share the prefix. Entries are evicted least-recently-used first to stay under a byte budget.
 
-With a ``disk_cache.DiskPrefixCache`` behind it, every stored snapshot is also written to disk (on
+With a ``disk.DiskPrefixCache`` behind it, every stored snapshot is also written to disk (on
 a background thread), and a lookup that finds a longer prefix on disk than in memory reads it back:
 the cache then survives restarts, eviction, and snapshots too big for the memory budget.
 """
@@ -14,31 +14,15 @@ from __future__ import annotations
 
 import logging
 from collections import OrderedDict
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Optional, Sequence
 
-import mlx.core as mx
-
-from dflash2_mlx.caches.drafter_context import ContextCache
-from dflash2_mlx.caches.target import CacheSnapshot
+# PrefixEntry lives below this module and the disk cache (``snapshot``); importable from here too
+from dflash2_mlx.caches.snapshot import PrefixEntry
 
 if TYPE_CHECKING:
     from dflash2_mlx.caches.disk import DiskPrefixCache
 
 log = logging.getLogger("dflash2_mlx.caches.prefix")
-
-
-@dataclass
-class PrefixEntry:
-    tokens: tuple[int, ...]
-    target: CacheSnapshot
-    context: Optional[ContextCache]  # the drafter's context cache; None when stored by plain decoding
-    last_logits: Optional[mx.array]  # [1, V] logits after the last token (end-of-prompt entries)
-
-    @property
-    def nbytes(self) -> int:
-        n = self.target.nbytes + (self.context.nbytes if self.context is not None else 0)
-        return n + (self.last_logits.nbytes if self.last_logits is not None else 0)
 
 
 class PrefixCache:
