@@ -272,6 +272,14 @@ class GrammarState:
         n = len(self._end)
         return len(tail) >= n and tail[-n:] == self._end
 
+    def allowed_prefix(self, tokens: Sequence[int]) -> int:
+        """How many of ``tokens`` the grammar takes in a row after the committed ones (a copy
+        draft is cut there: a refused token would be rejected whatever follows). Inside the
+        reasoning block nothing is masked yet: all of them."""
+        if self._reasoning:
+            return len(tokens)
+        return self._allowed_prefix(tokens)
+
     def mask_next(self, logits: mx.array) -> mx.array:
         """logits [1, V] -> the same with the tokens the grammar forbids next set to -inf."""
         if self._reasoning:

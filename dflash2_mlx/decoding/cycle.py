@@ -17,16 +17,19 @@ import mlx.core as mx
 from dflash2_mlx.caches.drafter_context import ContextCache
 from dflash2_mlx.caches.prefix import PrefixCache, PrefixEntry
 from dflash2_mlx.caches.target import TargetCache
+from dflash2_mlx.caches.token_index import Match
 from dflash2_mlx.constraints.grammar import GrammarState
 from dflash2_mlx.decoding.acceptance import Verdict, accept_rule, plain_step_token
 from dflash2_mlx.decoding.batched_verify import VerifyRequest, VerifyResult
 from dflash2_mlx.decoding.context_feed import ContextFeed
+from dflash2_mlx.decoding.copying import copy_draft, copying_for
 from dflash2_mlx.decoding.drafting import Draft, Drafting, pick_for
 from dflash2_mlx.decoding.hooks import grammar_hooks, profiler_or_none
 from dflash2_mlx.decoding.sampling import apply_processors
 from dflash2_mlx.decoding.types import GenerationSettings
 from dflash2_mlx.models.drafter import Drafter
 from dflash2_mlx.models.target import TargetRunner
+from dflash2_mlx.policies.block_size import BlockPolicy
 
 
 class Verified(NamedTuple):
@@ -91,9 +94,36 @@ class SpeculativeRequest:
         self.accept_drafts = accept_rule(settings.sampling)
         self.none_accepted = mx.zeros((1,), dtype=mx.int32)  # a plain step's verdict, made once
         mx.eval(self.none_accepted)
+        self.copying = copying_for(committed, settings.copy_drafting, settings.copy_index)
+
+    def copy_match(self, room: int) -> Optional[Match]:
+        """The context's copy draft after the committed tokens (host work), cut where the grammar
+        refuses a token; None when there is none."""
+        match = self.copying.propose(self.committed, room)
+        if match is None:
+            return None
+        allowed = self.grammar.allowed_prefix(match.continuation)
+        if allowed == len(match.continuation):
+            return match
+        return Match(match.continuation[:allowed], match.agreement, match.source) if allowed else None
+
+    def plan_copy(self, policy: BlockPolicy, match: Optional[Match], launched_ahead: bool) -> Optional[Match]:
+        """The next cycle's copy: as many of ``match``'s tokens as the policy takes, unless the
+        next cycle was already launched (its draft went ahead: the copy waits a cycle, and the
+        cycle after it is not drafted ahead)."""
+        copies = policy.choose_copy(len(self.committed), match.agreement, len(match.continuation)) if match else 0
+        self.copying.likely = copies > 0
+        if not copies or launched_ahead:
+            return None
+        return Match(match.continuation[:copies], match.agreement, match.source)
 
     def draft(self, anchor: mx.array, block_size: int) -> Draft:
         return self.drafting.propose(anchor, block_size)
+
+    def copy(self, tokens: list[int]) -> Draft:
+        """A copy of the context as the next block's drafts; the drafter's context takes this
+        block's kept rows later (``keep_block``), as after any block not drafted ahead."""
+        return copy_draft(tokens)
 
     def verify(self, anchor: mx.array, draft: Draft, pending: Sequence[mx.array] = ()) -> VerifyStep:
         """The target's pass over [anchor, d1..dR] (asked of the driver) and the verdict, launched.

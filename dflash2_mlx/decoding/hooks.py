@@ -28,6 +28,9 @@ class NoGrammar:
     def mask_verify(self, verify_logits: mx.array, draft_tokens: mx.array) -> mx.array:
         return verify_logits
 
+    def allowed_prefix(self, tokens: Sequence[int]) -> int:
+        return len(tokens)
+
     def commit(self, tokens: Sequence[int]) -> None:
         pass
 
@@ -49,6 +52,10 @@ class GrammarHooks:
         """Mask verify row i [R + 1, V] by what the grammar allows after committed + d1..di."""
         mx.async_eval(verify_logits)  # the masks are built on the host while the device computes the pass
         return self.state.mask_verify(verify_logits, draft_tokens.tolist())
+
+    def allowed_prefix(self, tokens: Sequence[int]) -> int:
+        """How many of ``tokens`` the grammar takes in a row after the committed ones."""
+        return self.state.allowed_prefix(tokens)
 
     def commit(self, tokens: Sequence[int]) -> None:
         self.state.commit(tokens)

@@ -34,7 +34,9 @@ class OutputCollector:
         """Tokens still allowed by max tokens."""
         return self.settings.max_tokens - len(self.tokens)
 
-    def add(self, new: list[int], accepted: Optional[int] = None, drafted: int = 0, logprobs=None) -> GenerationEvent:
+    def add(
+        self, new: list[int], accepted: Optional[int] = None, drafted: int = 0, logprobs=None, source=None
+    ) -> GenerationEvent:
         """Clip ``new`` at a stop token or max tokens; returns the event for what was kept."""
         kept = []
         for t in new:
@@ -72,6 +74,7 @@ class OutputCollector:
             finish_reason=self.finished,
             elapsed=now - self.t_start,
             logprobs=logprobs[: len(kept)] if logprobs is not None else None,
+            source=source,
         )
 
     def cancel(self) -> GenerationEvent:

@@ -68,6 +68,8 @@ def speculative_steps(
     anchor = mx.array([first_token], dtype=mx.int32)  # [1] the last committed token, not in the cache yet
     block_size = policy.choose(len(request.committed))
     ahead = NOTHING_AHEAD  # the next cycle, when it was launched before the previous host sync
+    # the next cycle's copy of the context (a Match), when the policy takes one
+    copied = request.plan_copy(policy, request.copy_match(out.room), launched_ahead=False)
     while not out.finished:
         yield event
         if settings.cancelled:
@@ -75,8 +77,13 @@ def speculative_steps(
             return
         clock.start_cycle()
         profiler.cycle_start()
-        # 1. Draft: block_size - 1 tokens after the anchor (none for a plain step)
-        draft = ahead.draft if ahead.draft is not None else request.draft(anchor, min(block_size, out.room + 1))
+        # 1. Draft: copied tokens, or block_size - 1 from the drafter (none for a plain step)
+        if copied is not None:
+            draft = request.copy(copied.continuation)
+        elif ahead.draft is not None:
+            draft = ahead.draft
+        else:
+            draft = request.draft(anchor, min(block_size, out.room + 1))
         # 2. Verify [anchor, drafts] in one target pass, and the verdict: launched, nothing read
         verified = ahead.verified if ahead.verified is not None else (yield from request.verify(anchor, draft))
         size = verified.block_size
@@ -85,7 +92,7 @@ def speculative_steps(
         # Launch the next cycle while this one computes, when its size is known whatever is accepted
         clock.start_launch()
         ahead = NOTHING_AHEAD
-        if launch_ahead and out.room - size >= max(block_size - 1, 1):
+        if launch_ahead and not request.copying.likely and out.room - size >= max(block_size - 1, 1):
             ahead = yield from request.launch_next(verified, block_size)
         clock.end_launch(next_pass_launched=ahead.verified is not None)
         # 3. Accept: the cycle's one host sync reads the verdict
@@ -97,10 +104,15 @@ def speculative_steps(
         # 5. Emit
         request.commit(new_tokens)
         anchor = verified.bonus
-        event = out.add(new_tokens, accepted if size > 1 else None, size - 1, logprobs=logprobs)
-        stats.count_cycle(size, accepted, len(event.tokens))
-        policy.observe(size, accepted, clock.cycle_seconds(), len(request.committed))
+        source = "copy" if copied is not None else "dflash" if size > 1 else None
+        event = out.add(new_tokens, accepted if size > 1 else None, size - 1, logprobs=logprobs, source=source)
+        stats.count_cycle(size, accepted, len(event.tokens), source)
+        # 6. Copy: the context's continuation may draft the next cycle (when nothing went ahead)
+        match = request.copy_match(out.room)
+        policy.observe(size, accepted, clock.cycle_seconds(), len(request.committed), copied.agreement if copied else 0)
+        copied = request.plan_copy(policy, match, launched_ahead=ahead is not NOTHING_AHEAD)
     profiler.stop()
+    request.copying.remember(out.tokens)
     if prefix_cache is not None:
         request.store_snapshot(prefix_cache, ahead)
     stats.controller = policy.summary()

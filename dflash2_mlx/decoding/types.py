@@ -10,10 +10,13 @@ import threading
 from dataclasses import dataclass, field
 from typing import Optional, Sequence
 
+from dflash2_mlx.caches.token_index import TokenIndex
 from dflash2_mlx.constraints.grammar import Grammar
 from dflash2_mlx.decoding.profiling import CycleProfiler
 from dflash2_mlx.decoding.sampling import LogitsProcessor, SamplingSettings
 from dflash2_mlx.policies.block_size import BlockPolicy
+
+SOURCES = ("dflash", "copy")  # where a cycle's drafts came from
 
 
 class PromptTooLong(ValueError):
@@ -49,6 +52,11 @@ class GenerationSettings:
     # bench --profile: time per cycle phase (adds host syncs, and drafts every block after the
     # previous cycle's sync instead of ahead of it, so that the phases do not overlap)
     profiler: Optional[CycleProfiler] = None
+    # Copy drafts (decoding/copying.py): a cycle may verify what followed an earlier occurrence of
+    # the last tokens, in the request's own tokens and in ``copy_index`` (earlier answers, shared
+    # by the caller's requests: a server keeps one per API key), when the policy expects it to pay.
+    copy_drafting: bool = True
+    copy_index: Optional[TokenIndex] = None
 
     @property
     def cancelled(self) -> bool:
@@ -78,8 +86,11 @@ class GenerationStats:
     plain_steps: int = 0
     plain_tokens: int = 0
     controller: Optional[dict] = None  # the policy's summary (controller.BlockPolicy.summary)
+    # per draft source ("dflash": the drafter's blocks, "copy": copies of the context): cycles,
+    # drafted and accepted tokens
+    by_source: dict = field(default_factory=lambda: {s: dict(cycles=0, drafted=0, accepted=0) for s in SOURCES})
 
-    def count_cycle(self, block_size: int, accepted: int, emitted: int) -> None:
+    def count_cycle(self, block_size: int, accepted: int, emitted: int, source: str = "dflash") -> None:
         """One cycle of the speculative loop emitted ``emitted`` tokens (after clipping)."""
         if block_size == 1:
             self.plain_steps += 1
@@ -89,6 +100,12 @@ class GenerationStats:
         self.cycle_tokens += emitted
         self.drafted_tokens += block_size - 1
         self.accepted_tokens += accepted
+        counts = self.by_source[source]
+        counts["cycles"] += 1
+        counts["drafted"] += block_size - 1
+        counts["accepted"] += accepted
+        if source != "dflash":
+            return  # per-position acceptance is the drafter's
         for i in range(block_size - 1):
             self.drafted_by_position[i] += 1
             self.accepted_by_position[i] += int(i < accepted)
@@ -120,6 +137,7 @@ class GenerationStats:
             "draft_tokens": self.drafted_tokens,
             "accepted_tokens": self.accepted_tokens,
             "acceptance_by_position": self.acceptance_by_position,
+            "by_source": {s: dict(c) for s, c in self.by_source.items()},
             "prefill_tps": self.prefill_tps,
             "decode_tps": self.decode_tps,
             "peak_memory_gb": self.peak_memory_gb,
@@ -139,3 +157,4 @@ class GenerationEvent:
     finish_reason: Optional[str] = None
     elapsed: float = 0.0  # seconds from the start of generation (prefill included) to this event
     logprobs: Optional[list] = None  # per token: (logprob, [(token_id, logprob), ...]) when asked
+    source: Optional[str] = None  # who drafted this cycle's tokens ("dflash", "copy"); None: no draft

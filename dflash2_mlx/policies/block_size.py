@@ -43,18 +43,16 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Callable, Optional, Protocol, Sequence
 
+from dflash2_mlx.policies.copy_length import CopyEstimates, CopyHistory
+from dflash2_mlx.policies.estimates import CostTable, PositionAcceptance, bucket, expected_tokens, monotone
+
 PLAIN = 1
 PROBE_BUDGET = 0.01  # of decode time; the documented bound (3%) leaves room for mispredicted probes
-PRIOR_RATE = 0.9  # conditional acceptance assumed for a pair with no history yet: speculate first, then learn
 PRIOR_WEIGHT = 2.0  # the pair's history counts as at most this many cycles of the request's own
-SMOOTHING = 1.0  # cycles' worth of pull of each position's rate towards the previous position's
 REQUEST_DECAY = 0.93  # per cycle: a request's acceptance follows its text (code, prose, a tool call)
 PAIR_DECAY = 0.98  # per cycle: the pair's history spans a few requests
-COST_DECAY = 0.8  # per timed cycle of that size and bucket
 PLAIN_REFRESH = 48  # speculative cycles after which a few plain steps re-time a plain step (symmetric to probes)
 PLAIN_RUN = 3  # plain steps per refresh: the later ones are timed in their steady state
-SPEED_SHARE = 0.5  # how much of a size's cost change the other sizes of its bucket follow
-OUTLIER = 3.0  # a cycle timed above this many times its estimate (a page fault, a GC) counts as this
 
 
 class BlockPolicy(Protocol):
@@ -63,115 +61,16 @@ class BlockPolicy(Protocol):
     def choose(self, context_len: int) -> int:
         """Block size of the next cycle: 1 (a plain step) or 2..B."""
 
-    def observe(self, block_size: int, accepted: int, seconds: float, context_len: int) -> None:
-        """A cycle of ``block_size`` accepted ``accepted`` drafts and took ``seconds``."""
+    def choose_copy(self, context_len: int, agreement: int, available: int) -> int:
+        """How many of ``available`` copied tokens (a match of the context that agreed on
+        ``agreement`` tokens) the next cycle verifies instead of what ``choose`` said; 0: none."""
+
+    def observe(self, block_size: int, accepted: int, seconds: float, context_len: int, copied: int = 0) -> None:
+        """A cycle of ``block_size`` accepted ``accepted`` drafts and took ``seconds``;
+        ``copied``: the agreement of its copy draft (0: the drafter's block or a plain step)."""
 
     def summary(self) -> dict:
         """What the policy did (``generate --json``'s ``controller`` object)."""
-
-
-def bucket(context_len: int) -> int:
-    """Context-length bucket: 0 below 512 tokens, then one per doubling (attention cost grows)."""
-    return max(0, int(context_len).bit_length() - 9)
-
-
-class CostTable:
-    """Seconds per cycle of each block size per context bucket (exponentially weighted)."""
-
-    def __init__(self):
-        self.seconds: dict[int, dict[int, float]] = {}  # bucket -> block size -> seconds
-
-    def observe(self, block_size: int, context_len: int, seconds: float) -> None:
-        row = self.seconds.setdefault(bucket(context_len), {})
-        old = row.get(block_size)
-        if old is None:
-            row[block_size] = seconds
-            return
-        row[block_size] = COST_DECAY * old + (1 - COST_DECAY) * min(seconds, OUTLIER * old)
-        # the machine got slower or faster (a shared machine, thermal limits): so did every size,
-        # partly, or a size timed long ago would look cheap or dear forever
-        drift = (row[block_size] / old) ** SPEED_SHARE
-        for b in row:
-            if b != block_size:
-                row[b] *= drift
-
-    def measured(self, block_size: int, context_len: int) -> bool:
-        return block_size in self.seconds.get(bucket(context_len), {})
-
-    def estimate(self, block_size: int, context_len: int) -> Optional[float]:
-        """The cost at this bucket; unmeasured there, the nearest bucket's scaled by a size both
-        measured; sizes never measured anywhere are interpolated between measured ones."""
-        k = bucket(context_len)
-        here = self.seconds.get(k, {})
-        if block_size in here:
-            return here[block_size]
-        for other in sorted(self.seconds, key=lambda b: (abs(b - k), -b)):
-            row = self.seconds[other]
-            if block_size not in row:
-                continue
-            common = [s for s in here if s in row]
-            scale = here[common[-1]] / row[common[-1]] if common else 1.0
-            return row[block_size] * scale
-        return self._interpolated(block_size, context_len)
-
-    def _interpolated(self, block_size: int, context_len: int) -> Optional[float]:
-        sizes = sorted({s for row in self.seconds.values() for s in row})
-        lower = [s for s in sizes if s < block_size]
-        upper = [s for s in sizes if s > block_size]
-        if not lower or not upper:
-            return None
-        lo, hi = lower[-1], upper[0]
-        a, b = self.estimate(lo, context_len), self.estimate(hi, context_len)
-        return a + (b - a) * (block_size - lo) / (hi - lo)
-
-    @property
-    def calibrated(self) -> bool:
-        return bool(self.seconds)
-
-    def start_from(self, other: "CostTable") -> None:
-        """Take ``other``'s costs as this table's first estimate (its own timed cycles refine them):
-        a server seeds the sampled table from the greedy calibration instead of calibrating twice."""
-        self.seconds = {k: dict(row) for k, row in other.seconds.items()}
-
-
-class PositionAcceptance:
-    """Per draft position j: exponentially weighted counts of cycles that tested it (drafts
-    1..j-1 accepted, a draft at j) and that accepted it."""
-
-    def __init__(self, positions: int):
-        self.tested = [0.0] * positions
-        self.accepted = [0.0] * positions
-
-    def observe(self, block_size: int, accepted: int, decay: float) -> None:
-        for j in range(len(self.tested)):
-            self.tested[j] *= decay
-            self.accepted[j] *= decay
-        for j in range(min(accepted + 1, block_size - 1)):  # positions 0..accepted were tested
-            self.tested[j] += 1.0
-            self.accepted[j] += float(j < accepted)
-
-    def rates(self, prior: Optional["PositionAcceptance"] = None, prior_weight: float = 0.0) -> list[float]:
-        """Conditional acceptance per position. ``prior``'s counts join this one's, scaled to at
-        most ``prior_weight`` cycles per position; each position is then shrunk towards the one
-        before it by ``SMOOTHING`` cycles, so a position not tested lately (the blocks got shorter)
-        follows the ones that were instead of keeping a stale rate. The first position is shrunk
-        towards ``prior``'s own rate there, or ``PRIOR_RATE`` for a pair with no history yet: the
-        optimistic prior is for a new pair, and kept for a known one it held a request on text the
-        drafter cannot predict at a rate twice its true one (0.2 for 0.1), speculating at a loss."""
-        out, last = [], PRIOR_RATE
-        if prior is not None and prior.tested[0] > 1e-3:
-            last = prior.accepted[0] / prior.tested[0]
-        for j, (t, a) in enumerate(zip(self.tested, self.accepted)):
-            if prior is not None and prior.tested[j] > 1e-3:
-                scale = min(1.0, prior_weight / prior.tested[j])
-                t, a = t + scale * prior.tested[j], a + scale * prior.accepted[j]
-            last = (a + SMOOTHING * last) / (t + SMOOTHING)
-            out.append(last)
-        return out
-
-    @property
-    def tested_any(self) -> bool:
-        return any(t > 1e-3 for t in self.tested)
 
 
 @dataclass
@@ -181,6 +80,7 @@ class PairProfile:
     positions: int
     costs: dict = field(default_factory=dict)  # "greedy" / "sampled" -> CostTable
     history: dict = field(default_factory=dict)  # temperature -> PositionAcceptance
+    copy: CopyHistory = field(default_factory=CopyHistory)  # copy drafts' costs and acceptance
 
     def cost_table(self, greedy: bool) -> CostTable:
         return self.costs.setdefault("greedy" if greedy else "sampled", CostTable())
@@ -206,25 +106,18 @@ def profile_for(model, drafter) -> PairProfile:
     return entry[2]
 
 
-def expected_tokens(rates: Sequence[float], block_size: int) -> float:
-    """E(b) = 1 + sum over i < b of the product of the first i conditional acceptance rates."""
-    total, run = 1.0, 1.0
-    for c in rates[: block_size - 1]:
-        run *= c
-        total += run
-    return total
-
-
 class _Tally:
     """Tokens by mode and cycles by block size, for the statistics."""
 
     def __init__(self):
-        self.tokens = {"speculative": 0, "plain": 0, "probe": 0}
+        self.tokens = {"speculative": 0, "copy": 0, "plain": 0, "probe": 0}
         self.sizes: dict[int, int] = {}
+        self.copy_sizes: dict[int, int] = {}
 
     def add(self, mode: str, block_size: int, tokens: int) -> None:
         self.tokens[mode] += tokens
-        self.sizes[block_size] = self.sizes.get(block_size, 0) + 1
+        sizes = self.copy_sizes if mode == "copy" else self.sizes
+        sizes[block_size] = sizes.get(block_size, 0) + 1
 
     def as_dict(self) -> dict:
         total = sum(self.tokens.values())
@@ -232,7 +125,11 @@ class _Tally:
             "tokens_by_mode": dict(self.tokens),
             "share_by_mode": {m: (n / total if total else 0.0) for m, n in self.tokens.items()},
             "block_sizes": {str(b): n for b, n in sorted(self.sizes.items())},
+            "copy_sizes": {str(b): n for b, n in sorted(self.copy_sizes.items())},
         }
+
+    def mode(self, block_size: int, copied: int, probe: bool = False) -> str:
+        return "copy" if copied else "probe" if probe else "speculative" if block_size > PLAIN else "plain"
 
 
 class FixedBlock:
@@ -244,8 +141,11 @@ class FixedBlock:
     def choose(self, context_len: int) -> int:
         return self.block_size
 
-    def observe(self, block_size: int, accepted: int, seconds: float, context_len: int) -> None:
-        self.tally.add("speculative" if block_size > 1 else "plain", block_size, accepted + 1)
+    def choose_copy(self, context_len: int, agreement: int, available: int) -> int:
+        return 0  # a pinned block size measures the drafter alone
+
+    def observe(self, block_size: int, accepted: int, seconds: float, context_len: int, copied: int = 0) -> None:
+        self.tally.add(self.tally.mode(block_size, copied), block_size, accepted + 1)
 
     def summary(self) -> dict:
         return {"policy": "fixed", **self.tally.as_dict(), "last_switch": None}
@@ -253,11 +153,14 @@ class FixedBlock:
 
 class ScheduledBlocks:
     """Block sizes from a list, repeated (tests force switching with it; calibration times with it).
-    With ``costs``, it records there the time of every cycle that ran at its scheduled size."""
+    With ``costs``, it records there the time of every cycle that ran at its scheduled size.
+    ``copies``: copied tokens to verify each time the context offers a copy draft, repeated (0:
+    not that time); empty, it never copies."""
 
-    def __init__(self, schedule: Sequence[int], costs: Optional[CostTable] = None):
+    def __init__(self, schedule: Sequence[int], costs: Optional[CostTable] = None, copies: Sequence[int] = ()):
         assert schedule and all(b >= 1 for b in schedule)
         self.schedule, self.costs, self.tally = list(schedule), costs, _Tally()
+        self.copies, self.copy_calls = list(copies), 0
         self.chosen: deque[int] = deque()  # chosen, not yet observed (the loop chooses one ahead)
         self.calls = 0
         self.observed: list[tuple[int, int]] = []  # (block size, accepted) per cycle
@@ -268,12 +171,19 @@ class ScheduledBlocks:
         self.chosen.append(b)
         return b
 
-    def observe(self, block_size: int, accepted: int, seconds: float, context_len: int) -> None:
+    def choose_copy(self, context_len: int, agreement: int, available: int) -> int:
+        if not self.copies:
+            return 0
+        self.copy_calls += 1
+        return min(self.copies[(self.copy_calls - 1) % len(self.copies)], available)
+
+    def observe(self, block_size: int, accepted: int, seconds: float, context_len: int, copied: int = 0) -> None:
         # the loop clips the last blocks to max_tokens: those are not the scheduled size's cost
-        if self.costs is not None and block_size == self.chosen.popleft():
+        chosen = self.chosen.popleft() if self.chosen else None
+        if self.costs is not None and block_size == chosen and not copied:
             self.costs.observe(block_size, context_len, seconds)
         self.observed.append((block_size, accepted))
-        self.tally.add("speculative" if block_size > 1 else "plain", block_size, accepted + 1)
+        self.tally.add(self.tally.mode(block_size, copied), block_size, accepted + 1)
 
     @property
     def finished(self) -> bool:
@@ -317,6 +227,7 @@ class BreakEvenController:
         self.previous: Optional[int] = None  # the last observed cycle's block size
         self.since_plain = 0  # cycles since a plain step was timed
         self.refresh = 0  # plain steps still to run to re-time a plain step
+        self.copying = CopyEstimates(profile.copy, self.costs, max_block, greedy, temperature)
 
     # -- the decision ---------------------------------------------------------------------------
 
@@ -337,12 +248,17 @@ class BreakEvenController:
                 best = (b, e, cost, step)
         return best
 
-    def choose(self, context_len: int) -> int:
+    def _plan(self, context_len: int) -> tuple:
+        """(best block, its rate / a plain step's, bucket, its expected tokens, its cost, a plain
+        step's cost), decided again when acceptance changed or the context changed bucket."""
         if self.plan is None or self.plan[2] != bucket(context_len):
             b, e, cost, step = self._best(context_len)
             ratio = (e / cost) * step if step and cost < math.inf else math.inf
             self.plan = (b, ratio, bucket(context_len), e, cost, step)
-        b, ratio, _, e, cost, step = self.plan
+        return self.plan
+
+    def choose(self, context_len: int) -> int:
+        b, ratio, _, e, cost, step = self._plan(context_len)
         steps = f"{cost / step:.2f}" if step else "?"
         stale = self.since_plain >= PLAIN_REFRESH or not self.costs.measured(PLAIN, context_len)
         if ratio > 1.0 and stale and not self.refresh:
@@ -378,6 +294,16 @@ class BreakEvenController:
         self.probes.append(probe)
         return b if probe else PLAIN
 
+    def choose_copy(self, context_len: int, agreement: int, available: int) -> int:
+        """Copy when the best copy size expects more tokens per second than the block the plan
+        would run, or than a plain step where no block pays."""
+        rows, e, cost = self.copying.best(agreement, available, context_len)
+        if not rows:
+            return 0
+        b, ratio, _, e_block, cost_block, step = self._plan(context_len)
+        rival = e_block / cost_block if ratio > 1.0 else (1.0 / step if step else 0.0)
+        return rows - 1 if e / cost > rival else 0
+
     def _switch(self, mode: str, why: str, context_len: int) -> None:
         if mode != self.mode:
             if self.mode is not None:
@@ -386,9 +312,16 @@ class BreakEvenController:
 
     # -- what happened --------------------------------------------------------------------------
 
-    def observe(self, block_size: int, accepted: int, seconds: float, context_len: int) -> None:
+    def observe(self, block_size: int, accepted: int, seconds: float, context_len: int, copied: int = 0) -> None:
         self.cycles += 1
         self.decode_seconds += seconds
+        if copied:  # a copy cycle ran instead of the chosen one: it refines only copy estimates
+            self.copying.observe(block_size, accepted, seconds, context_len, copied)
+            self.previous = None  # the next block's drafter first takes in this cycle's rows
+            self.since_plain += 1
+            self.probes.popleft()
+            self.tally.add("copy", block_size, accepted + 1)
+            return
         if self.previous is not None and (self.previous > PLAIN) == (block_size > PLAIN):
             self.costs.observe(block_size, context_len, seconds)  # a steady cycle (module docstring)
         self.previous = block_size
@@ -439,18 +372,6 @@ def calibrate(runner, drafter, costs: CostTable, run_request: RunRequest) -> Non
         costs.observe(b, len(prompt), seconds)
 
 
-def monotone(values: Sequence[float]) -> list[float]:
-    """The closest non-decreasing sequence (pool adjacent violators): a bigger block does more
-    work than a smaller one, so a noisy timing that says otherwise is averaged with its neighbours."""
-    blocks: list[list[float]] = []  # [mean, count]
-    for v in values:
-        blocks.append([v, 1])
-        while len(blocks) > 1 and blocks[-2][0] > blocks[-1][0]:
-            (m2, n2), (m1, n1) = blocks.pop(), blocks.pop()
-            blocks.append([(m1 * n1 + m2 * n2) / (n1 + n2), n1 + n2])
-    return [m for m, n in blocks for _ in range(n)]
-
-
 class _Timings(ScheduledBlocks):
     """The calibration schedule, keeping the times of cycles inside a run of one size."""
 
@@ -458,12 +379,12 @@ class _Timings(ScheduledBlocks):
         super().__init__(schedule)
         self.samples: dict[int, list[float]] = {}
 
-    def observe(self, block_size: int, accepted: int, seconds: float, context_len: int) -> None:
+    def observe(self, block_size: int, accepted: int, seconds: float, context_len: int, copied: int = 0) -> None:
         i = len(self.observed)
         inside = 0 < i < len(self.schedule) - 1 and self.schedule[i - 1] == self.schedule[i] == self.schedule[i + 1]
-        if inside and block_size == self.schedule[i]:
+        if inside and block_size == self.schedule[i] and not copied:
             self.samples.setdefault(block_size, []).append(seconds)
-        super().observe(block_size, accepted, seconds, context_len)
+        super().observe(block_size, accepted, seconds, context_len, copied)
 
 
 def policy_for(runner, drafter, settings, run_request: RunRequest) -> BlockPolicy:
