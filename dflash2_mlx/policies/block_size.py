@@ -319,7 +319,8 @@ class BreakEvenController:
             self.copying.observe(block_size, accepted, seconds, context_len, copied)
             self.previous = None  # the next block's drafter first takes in this cycle's rows
             self.since_plain += 1
-            self.probes.popleft()
+            if self.probes:  # the cycle chosen for this turn was replaced by the copy
+                self.probes.popleft()
             self.tally.add("copy", block_size, accepted + 1)
             return
         if self.previous is not None and (self.previous > PLAIN) == (block_size > PLAIN):
