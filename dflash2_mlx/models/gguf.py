@@ -68,12 +68,13 @@ class GGUFError(ValueError):
     """A GGUF file this project cannot use; the message is one line saying what to do."""
 
 
-def find_gguf(spec: str) -> Optional[Path]:
-    """The GGUF file a ``--model`` value names: a named local model (``smollm2``), a ``.gguf``
-    file, or a directory holding exactly one ``.gguf`` and no ``config.json``; else None."""
+def find_gguf(spec: str, fetch_missing: bool = True) -> Optional[Path]:
+    """The GGUF file a ``--model`` value names: a named local model (``smollm2``; fetched on first
+    use unless ``fetch_missing`` is False), a ``.gguf`` file, or a directory holding exactly one
+    ``.gguf`` and no ``config.json``; else None."""
     from dflash2_mlx.models import named
 
-    named_file = named.model_file(spec)
+    named_file = named.model_file(spec, fetch_missing)
     if named_file is not None:
         return named_file
     path = Path(spec).expanduser()

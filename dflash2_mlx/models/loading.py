@@ -62,7 +62,7 @@ def _converted_gguf(spec: str) -> Optional[Path]:
         if gguf_file is None:
             return None
         sha256 = gguf.file_sha256(gguf_file)
-        named.check_sha256(spec, sha256)
+        named.check_sha256(spec, sha256, gguf_file)
         model_dir = gguf.converted(gguf_file, sha256)
         named.write_generation_config(spec, model_dir)
         return model_dir
