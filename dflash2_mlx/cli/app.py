@@ -28,6 +28,7 @@ def _root() -> None:
 from dflash2_mlx.cli.common import (  # noqa: E402
     UserError,  # noqa: E402  (re-exported: commands raise it, main() prints it)
     block_size_option,
+    copy_drafting_option,
     draft_option,
     model_option,
     preset_option,
@@ -47,6 +48,7 @@ def generate(
     min_p: float = typer.Option(0.0, "--min-p", help="Drop tokens below min_p times the top probability."),
     seed: Optional[int] = typer.Option(None, "--seed", help="Random seed (sampling and the selector's draws)."),
     block_size: str = block_size_option(),
+    no_copy_drafting: bool = copy_drafting_option(),
     stop: List[str] = typer.Option([], "--stop", help="Stop string (repeatable); the text stops before it."),
     no_draft: bool = typer.Option(False, "--no-draft", help="Plain autoregressive decoding with the same target."),
     ignore_chat_template: bool = typer.Option(False, "--ignore-chat-template", help="Feed the prompt text as is."),
@@ -94,6 +96,7 @@ def generate(
         sampling,
         seed,
         block_size,
+        copy_drafting=not no_copy_drafting,
         stop_strings=stop,
         grammar=schema_grammar(schema, tokenizer, ids) if schema is not None else None,
     )

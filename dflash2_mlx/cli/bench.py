@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Optional
 
 import typer
@@ -12,6 +13,7 @@ from dflash2_mlx.cli.common import (
     block_size_option,
     check_positive,
     choose_models,
+    copy_drafting_option,
     draft_option,
     embedded_prompts,
     encode_line,
@@ -21,6 +23,7 @@ from dflash2_mlx.cli.common import (
     parse_block_size,
     preset_option,
     sampling_settings,
+    sources_line,
 )
 
 # the held-out prompts a drafter build writes beside the drafter (training/build_smollm2_drafter.py)
@@ -53,6 +56,7 @@ def bench_command(
     max_tokens: int = typer.Option(256, "--max-tokens", help="Tokens generated per prompt and mode."),
     temp: float = typer.Option(0.0, "--temp", help="Sampling temperature; 0 is greedy (then `identical` is checked)."),
     block_size: str = block_size_option(),
+    no_copy_drafting: bool = copy_drafting_option(),
     seed: Optional[int] = typer.Option(None, "--seed", help="Random seed, set before each run."),
     limit: Optional[int] = typer.Option(None, "--limit", help="Only the first N prompts."),
     as_json: bool = typer.Option(
@@ -107,7 +111,7 @@ def bench_command(
     block_size = parse_block_size(block_size)
     target, drafter = load_models(choice, block_size)
     tokenizer = target.tokenizer
-    settings = decode_settings(tokenizer, max_tokens, sampling, seed, block_size)
+    settings = decode_settings(tokenizer, max_tokens, sampling, seed, block_size, copy_drafting=not no_copy_drafting)
     err = Console(stderr=True)
 
     def progress(i: int, r: dict) -> None:
@@ -139,6 +143,9 @@ def bench_command(
     out = Console()
     out.print(_table(result, choice.label, max_tokens, temp, settings.block_size or "auto"))
     out.print(_position_bars(result.acceptance_by_position))
+    drafts = sources_line(SimpleNamespace(by_source=result.contract["mean"]["by_source"]))
+    if drafts:
+        out.print(f"drafts: {drafts}", highlight=False)
     if profiled is not None:
         out.print(_profile_table(profiled))
     if plot is not None:
@@ -165,7 +172,9 @@ def _table(result, label: str, max_tokens: int, temp: float, block_size):
     table.add_column("AR tok/s", justify="right")
     table.add_column("speedup", justify="right")
     table.add_column("same", justify="center")
-    table.add_column("speculative / plain / probe tokens, blocks", overflow="ellipsis", no_wrap=True, max_width=40)
+    table.add_column(
+        "speculative / copy / plain / probe tokens, blocks", overflow="ellipsis", no_wrap=True, max_width=44
+    )
     for i, (r, d) in enumerate(zip(result.contract["prompts"], result.details)):
         same = {True: "[green]yes[/green]", False: f"[red]no @{d['first_difference']}[/red]", None: "–"}[r["identical"]]
         table.add_row(
@@ -200,7 +209,8 @@ def _modes(controller: Optional[dict]) -> str:
         return ""
     share = controller["share_by_mode"]
     sizes = " ".join(f"{b}:{n}" for b, n in controller["block_sizes"].items())
-    return f"{100 * share['speculative']:.0f}/{100 * share['plain']:.0f}/{100 * share['probe']:.0f}%  {sizes}"
+    modes = "/".join(f"{100 * share.get(m, 0.0):.0f}" for m in ("speculative", "copy", "plain", "probe"))
+    return f"{modes}%  {sizes}"
 
 
 def _profile_table(profiled: dict):

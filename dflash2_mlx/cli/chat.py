@@ -17,6 +17,7 @@ from dflash2_mlx.cli.common import (
     chat_sampling,
     check_positive,
     choose_models,
+    copy_drafting_option,
     draft_option,
     fail,
     load_models,
@@ -61,6 +62,7 @@ def chat_command(
     ),
     seed: Optional[int] = typer.Option(None, "--seed", help="Random seed for sampling."),
     block_size: str = block_size_option(),
+    no_copy_drafting: bool = copy_drafting_option(),
     no_draft: bool = typer.Option(
         False, "--no-draft", help="Plain autoregressive decoding (no drafter), for comparison."
     ),
@@ -124,6 +126,7 @@ def chat_command(
         sampling=sampling,
         seed=seed,
         block_size=block_size,
+        copy_drafting=not no_copy_drafting,
         stop_token_ids=sorted(target.tokenizer.eos_token_ids),
     )
     console = Console(highlight=False)

@@ -67,6 +67,15 @@ def block_size_option():
     return typer.Option("auto", "--block-size", help=BLOCK_HELP)
 
 
+def copy_drafting_option():
+    return typer.Option(
+        False,
+        "--no-copy-drafting",
+        help="Never draft by copying the context (the prompt, the answer so far, earlier answers): only the "
+        "drafter's blocks and plain steps.",
+    )
+
+
 def parse_block_size(value: str) -> Optional[int]:
     """``--block-size``: None for auto, else the pinned size (checked against the drafter at load)."""
     if str(value).strip().lower() == "auto":
@@ -83,9 +92,25 @@ def controller_line(stats) -> str:
     if not c:
         return ""
     share = c["share_by_mode"]
-    modes = ", ".join(f"{100 * share[m]:.0f}% {m}" for m in ("speculative", "plain", "probe") if share.get(m))
+    modes = ", ".join(f"{100 * share[m]:.0f}% {m}" for m in ("speculative", "copy", "plain", "probe") if share.get(m))
     sizes = " ".join(f"{b}x{n}" for b, n in c["block_sizes"].items())
-    return f"{c['policy']}: {modes}; blocks {sizes}" if modes else f"{c['policy']}"
+    copies = " ".join(f"{b}x{n}" for b, n in c.get("copy_sizes", {}).items())
+    line = f"{c['policy']}: {modes}; blocks {sizes}" if modes else f"{c['policy']}"
+    return line + (f"; copies {copies}" if copies else "")
+
+
+def sources_line(stats) -> str:
+    """Drafted and accepted tokens by draft source, in one line (empty without cycles)."""
+    names = {"dflash": "DFlash 2", "copy": "copied from the context"}
+    parts = []
+    for source, c in (getattr(stats, "by_source", None) or {}).items():
+        if c["cycles"]:
+            rate = c["accepted"] / c["drafted"] if c["drafted"] else 0.0
+            parts.append(
+                f"{names.get(source, source)} {c['accepted']}/{c['drafted']} accepted ({100 * rate:.0f}%, "
+                f"{c['cycles']} cycles)"
+            )
+    return " · ".join(parts)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -20,6 +20,7 @@ from dflash2_mlx.cli.common import (
     check_positive,
     choose_models,
     controller_line,
+    copy_drafting_option,
     draft_option,
     encode_line,
     fail,
@@ -30,15 +31,17 @@ from dflash2_mlx.cli.common import (
     preset_option,
     printable,
     sampling_settings,
+    sources_line,
 )
 
 SPEC_STYLES = ("bold cyan", "green")  # alternate per verify cycle, so the drafted blocks show
+COPY_STYLES = ("bold yellow", "yellow")  # cycles that verified a copy of the context
 
 
 @dataclass
 class Recording:
     name: str
-    events: list = field(default_factory=list)  # (elapsed s, text, n tokens, accepted or None)
+    events: list = field(default_factory=list)  # (elapsed s, text, n tokens, accepted or None, draft source)
     tokens: list = field(default_factory=list)
     stats: object = None
 
@@ -50,7 +53,7 @@ class Recording:
 def record(name: str, events) -> Recording:
     rec = Recording(name)
     for event in events:
-        rec.events.append((event.elapsed, event.text, len(event.tokens), event.accepted))
+        rec.events.append((event.elapsed, event.text, len(event.tokens), event.accepted, event.source))
         rec.tokens += event.tokens
         rec.stats = event.stats or rec.stats
     return rec
@@ -64,11 +67,12 @@ def _panel(rec: Recording, t: float, final: bool, height: int, width: int, conso
     tokens = 0
     t_first = None
     shown = [e for e in rec.events if final or e[0] <= t]
-    for i, (elapsed, text, n, _accepted) in enumerate(shown):
+    for i, (elapsed, text, n, _accepted, source) in enumerate(shown):
         tokens += n
         if n and t_first is None:
             t_first = elapsed
-        style = SPEC_STYLES[i % 2] if speculative and _accepted is not None else None  # plain steps unstyled
+        styles = COPY_STYLES if source == "copy" else SPEC_STYLES
+        style = styles[i % 2] if speculative and _accepted is not None else None  # plain steps unstyled
         body.append(printable(text), style=style)
     inner = max(10, width - 4)
     lines = body.wrap(console, inner)
@@ -110,6 +114,10 @@ def _summary(spec: Recording, ar: Recording, identical: Optional[bool]):
     if identical is not None:
         out.append(" · outputs identical: ")
         out.append("yes" if identical else "NO", style="green" if identical else "bold red")
+    drafts = sources_line(s)
+    if drafts:
+        out.append("\ndrafts: ", style="bold")
+        out.append(drafts)
     if s.controller:
         out.append("\nblock size: ", style="bold")
         out.append(
@@ -158,6 +166,7 @@ def demo_command(
     ),
     seed: Optional[int] = typer.Option(None, "--seed", help="Random seed (set before each run)."),
     block_size: str = block_size_option(),
+    no_copy_drafting: bool = copy_drafting_option(),
     replay_speed: float = typer.Option(
         1.0, "--replay-speed", help="Replay clock rate: 1 is the measured pace, 2 twice as fast."
     ),
@@ -211,7 +220,7 @@ def demo_command(
     if "messages" in line and not getattr(tokenizer, "chat_template", None):
         line = {"prompt": line["messages"][-1]["content"]}
     ids = encode_line(tokenizer, line)
-    settings = decode_settings(tokenizer, max_tokens, sampling, seed, block_size)
+    settings = decode_settings(tokenizer, max_tokens, sampling, seed, block_size, copy_drafting=not no_copy_drafting)
     console = Console(highlight=False)
     shown = line["prompt"] if "prompt" in line else line["messages"][-1]["content"]
     console.print(f"[bold]prompt[/bold] ({len(ids)} tokens): ", end="")

@@ -12,7 +12,13 @@ from typing import List, Optional
 
 import typer
 
-from dflash2_mlx.cli.common import block_size_option, draft_option, model_option, prompt_cache_option
+from dflash2_mlx.cli.common import (
+    block_size_option,
+    copy_drafting_option,
+    draft_option,
+    model_option,
+    prompt_cache_option,
+)
 
 
 def serve_command(
@@ -56,6 +62,13 @@ def serve_command(
     ),
     no_draft: bool = typer.Option(False, "--no-draft", help="Serve with plain autoregressive decoding (no drafter)."),
     block_size: str = block_size_option(),
+    no_copy_drafting: bool = copy_drafting_option(),
+    copy_index_mb: float = typer.Option(
+        64.0,
+        "--copy-index-mb",
+        help="Memory per API key for earlier answers that later requests may draft by copying (0: keep none; "
+        "copies of a request's own prompt and answer still happen). Kept in memory only.",
+    ),
     prefix_cache_gb: float = typer.Option(
         2.0, "--prefix-cache-gb", help="Memory for prompt-prefix cache snapshots, in GB (0 disables)."
     ),
@@ -105,6 +118,8 @@ def serve_command(
         fail(f"--prefix-cache-gb must be >= 0, got {prefix_cache_gb}")
     if prompt_cache_gb < 0:
         fail(f"--prompt-cache-gb must be >= 0, got {prompt_cache_gb}")
+    if copy_index_mb < 0:
+        fail(f"--copy-index-mb must be >= 0, got {copy_index_mb}")
     cache_dir = prompt_cache_location(prompt_cache_dir)
     if request_timeout <= 0:
         fail(f"--request-timeout must be > 0, got {request_timeout}")
@@ -157,6 +172,8 @@ def serve_command(
         request_timeout=request_timeout,
         default_max_tokens=default_max_tokens,
         model_name=model_name_for(choice.target),
+        copy_drafting=not no_copy_drafting,
+        copy_index_mb=copy_index_mb,
     )
     worker = Worker(
         config.model,
@@ -169,6 +186,8 @@ def serve_command(
         prompt_cache_dir=cache_dir,
         prompt_cache_bytes=int(prompt_cache_gb * 2**30),
         block_size=pinned,
+        copy_drafting=config.copy_drafting,
+        copy_index_bytes=int(copy_index_mb * 2**20),
     )
     app = create_app(config, worker)
     server = _Server(

@@ -174,15 +174,19 @@ def run_bench(
     tokens); ``encode`` turns a prompt line into token ids; ``on_prompt(i, result)`` is called as
     each prompt finishes (for progress display).
     """
+    from dflash2_mlx.caches.token_index import TokenIndex
     from dflash2_mlx.decoding.autoregressive import generate_autoregressive
     from dflash2_mlx.decoding.speculative import generate_speculative
 
     tokenizer = target.tokenizer
     greedy = settings.sampling.greedy
     prompts = [encode(line) for line in lines]
+    # the prompts share one index of earlier answers, as one client's requests do on a server
+    # (an agent's session: later turns copy earlier answers); the warm-up adds nothing to it
+    session = replace(settings, copy_index=TokenIndex(source="shared")) if settings.copy_drafting else settings
 
     def spec(ids):
-        return _run(generate_speculative(target.runner, drafter, ids, settings, tokenizer))
+        return _run(generate_speculative(target.runner, drafter, ids, session, tokenizer))
 
     def plain(ids):
         return _run(generate_autoregressive(target.runner, ids, settings, tokenizer))
@@ -196,6 +200,7 @@ def run_bench(
     cycle_tokens = verify_steps = 0
     accepted_pos: list[int] = []
     drafted_pos: list[int] = []
+    by_source: dict = {}
     for i, (line, ids) in enumerate(zip(lines, prompts)):
         if i % 2 == 0:
             s, a = spec(ids), plain(ids)
@@ -206,6 +211,10 @@ def run_bench(
         verify_steps += st.verify_steps
         _add(accepted_pos, st.accepted_by_position)
         _add(drafted_pos, st.drafted_by_position)
+        for source, counts in st.by_source.items():
+            total = by_source.setdefault(source, dict.fromkeys(counts, 0))
+            for what, n in counts.items():
+                total[what] += n
         result = {
             "acceptance_length": st.acceptance_length,
             "spec_decode_tps": st.decode_tps,
@@ -213,6 +222,7 @@ def run_bench(
             "speedup": _safe_ratio(st.decode_tps, at.decode_tps),
             "identical": (s.tokens == a.tokens) if greedy else None,
         }
+        result["by_source"] = st.by_source
         result["controller"] = st.controller
         detail = {
             "prompt": label(line),
@@ -239,6 +249,7 @@ def run_bench(
         "spec_decode_tps": spec_tps,
         "ar_decode_tps": ar_tps,
         "speedup": _safe_ratio(spec_tps, ar_tps),
+        "by_source": by_source,
         "controller": merge_controller([r["controller"] for r in results]),
     }
     return BenchResult(
@@ -269,17 +280,21 @@ def merge_controller(summaries: Sequence[Optional[dict]]) -> Optional[dict]:
         return None
     tokens: dict = {}
     sizes: dict = {}
+    copies: dict = {}
     for c in summaries:
         for mode, n in c["tokens_by_mode"].items():
             tokens[mode] = tokens.get(mode, 0) + n
         for b, n in c["block_sizes"].items():
             sizes[b] = sizes.get(b, 0) + n
+        for b, n in c.get("copy_sizes", {}).items():
+            copies[b] = copies.get(b, 0) + n
     total = sum(tokens.values())
     return {
         "policy": summaries[-1]["policy"],
         "tokens_by_mode": tokens,
         "share_by_mode": {m: (n / total if total else 0.0) for m, n in tokens.items()},
         "block_sizes": dict(sorted(sizes.items(), key=lambda kv: int(kv[0]))),
+        "copy_sizes": dict(sorted(copies.items(), key=lambda kv: int(kv[0]))),
         "last_switch": next((c["last_switch"] for c in reversed(summaries) if c.get("last_switch")), None),
     }
 

@@ -134,6 +134,8 @@ def _make_worker(config: ServerConfig, metrics: Metrics) -> Worker:
         prompt_cache_dir=config.prompt_cache_dir,
         prompt_cache_bytes=int(config.prompt_cache_gb * 2**30),
         metrics=metrics,
+        copy_drafting=config.copy_drafting,
+        copy_index_bytes=int(config.copy_index_mb * 2**20),
     )
 
 

@@ -32,6 +32,8 @@ class ServerConfig:
     model_name: Optional[str] = None  # shown in /v1/models; default: repo id or directory name
     responses_max_entries: int = DEFAULT_MAX_ENTRIES  # stored /v1/responses (previous_response_id), LRU
     responses_max_bytes: int = DEFAULT_MAX_BYTES
+    copy_drafting: bool = True  # --no-copy-drafting turns copy drafts off
+    copy_index_mb: float = 64.0  # per API key: earlier answers kept for copy drafts (0: none kept)
 
 
 def model_name_for(model: str) -> str:

@@ -9,6 +9,7 @@ this order: key, body, model, readiness. Clients see the first failing one.
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import hmac
 import json
 import time
@@ -93,6 +94,7 @@ class ServerState:
             save_at=save_at,
             loop=asyncio.get_running_loop(),
             deadline=time.monotonic() + self.config.request_timeout,
+            client=client_key(request),
         )
 
     def respond(self, request: Request, job: Job, formatter: Formatter, stream: bool) -> JobResponse:
@@ -133,6 +135,15 @@ def authorize(request: Request, api_key: Optional[str], anthropic: bool = False,
             f"{'wrong' if given else 'missing'} API key: send the server's --api-key in {where}",
             code="invalid_api_key",
         )
+
+
+def client_key(request: Request) -> str:
+    """Who is asking, for what must stay theirs (the copy drafts' index of earlier answers): a
+    digest of the key the request presents (``x-api-key`` or a Bearer token, checked or not),
+    "" for none. Clients of a keyless server that send different tokens stay apart too."""
+    auth = request.headers.get("authorization", "")
+    given = request.headers.get("x-api-key") or (auth[7:].strip() if auth[:7].lower() == "bearer " else "")
+    return hashlib.sha256(given.encode()).hexdigest() if given else ""
 
 
 # The route dependencies are async: FastAPI would run a plain `def` one on its thread pool.

@@ -79,6 +79,9 @@ class Metrics:
         self.queue_depth: Callable[[], int] = lambda: 0
         self.active_requests: Callable[[], int] = lambda: 0
         self.state: Callable[[], str] = lambda: "loading"
+        self.copy_index_bytes: Callable[[], int] = lambda: 0
+        # draft source ("dflash", "copy") -> {"cycles", "drafted", "accepted"}
+        self.by_source = defaultdict(lambda: defaultdict(int))
 
     def request(self, route: str, status: int) -> None:
         with self.lock:
@@ -107,6 +110,9 @@ class Metrics:
             controller = getattr(stats, "controller", None) or {}
             for mode, n in controller.get("tokens_by_mode", {}).items():
                 self.tokens_by_mode[mode] += n
+            for source, counts in (getattr(stats, "by_source", None) or {}).items():
+                for what, n in counts.items():
+                    self.by_source[source][what] += n
             for size, n in controller.get("block_sizes", {}).items():
                 self.block_size_cycles[int(size)] += n
             if stats.generation_tokens > 1 and stats.decode_tps > 0:
@@ -146,6 +152,15 @@ class Metrics:
             ]
             for size, n in sorted(self.block_size_cycles.items()):
                 lines.append(f'{p}_block_size_cycles_total{{block_size="{size}"}} {n}')
+            for what, help_text in (
+                ("cycles", "Verify cycles by draft source (dflash: the drafter's blocks, copy: the context's)."),
+                ("drafted", "Drafted tokens by draft source."),
+                ("accepted", "Drafted tokens accepted by the target, by draft source."),
+            ):
+                name = f"{p}_{what}_by_source_total"
+                lines += [f"# HELP {name} {help_text}", f"# TYPE {name} counter"]
+                for source, counts in sorted(self.by_source.items()):
+                    lines.append(f'{p}_{what}_by_source_total{{source="{source}"}} {counts[what]}')
             scalars = [
                 ("prompt_tokens_total", "counter", "Prompt tokens of finished generations.", self.prompt_tokens),
                 (
@@ -185,6 +200,12 @@ class Metrics:
                     self.last_decode_tps,
                 ),
                 ("queue_depth", "gauge", "Requests waiting for the generation worker.", self.queue_depth()),
+                (
+                    "copy_index_bytes",
+                    "gauge",
+                    "Estimated memory of the per-key indexes of earlier answers copy drafts come from.",
+                    self.copy_index_bytes(),
+                ),
                 (
                     "active_requests",
                     "gauge",

@@ -194,6 +194,9 @@ class Speculative(_Out):
     verify_steps: int
     draft_tokens: int
     accepted_tokens: int
+    # per draft source ("dflash": the drafter's blocks, "copy": copies of the context): cycles,
+    # drafted and accepted tokens
+    by_source: Optional[dict] = None
     controller: Optional[dict] = None  # the block-size policy's statistics (controller.BlockPolicy.summary)
 
 

@@ -121,6 +121,7 @@ class Accumulator:
             "verify_steps": s.verify_steps,
             "draft_tokens": s.drafted_tokens,
             "accepted_tokens": s.accepted_tokens,
+            "by_source": getattr(s, "by_source", None),
             "controller": getattr(s, "controller", None),
         }
 

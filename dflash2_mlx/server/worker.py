@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any, Callable, Iterator, Optional
 
 from dflash2_mlx.backend.threads import mlx_thread
+from dflash2_mlx.caches.token_index import SharedIndexes
 from dflash2_mlx.policies.batch_switch import BatchSwitch
 from dflash2_mlx.server.errors import APIError, context_overflow
 from dflash2_mlx.server.metrics import Metrics
@@ -31,6 +32,7 @@ from dflash2_mlx.server.scheduler import RoundRobin
 from dflash2_mlx.server.stall_trace import StallTrace, threshold_from_env
 
 log = logging.getLogger("dflash2_mlx.server")
+COPY_INDEX_BYTES = 64 * 2**20  # per API key: earlier answers copy drafts are taken from (--copy-index-mb)
 GAUGE_REFRESH = 5.0  # seconds: memory and prefix-cache gauges are refreshed at idle, and this often under load
 
 
@@ -46,6 +48,7 @@ class Job:
     cancel: threading.Event = field(default_factory=threading.Event)
     state: str = "queued"  # queued -> running -> done
     why_cancelled: Optional[str] = None  # "client", "timeout" or "shutdown"
+    client: str = ""  # who asked (a digest of the API key it presented; "" for none): its copy index
     submitted: float = field(default_factory=time.monotonic)
 
     def emit(self, kind: str, payload: Any = None) -> None:
@@ -90,8 +93,13 @@ class Worker:
         on_fatal: Optional[Callable[[str], None]] = None,
         loader: Optional[Callable[[], tuple]] = None,
         block_size: Optional[int] = None,
+        copy_drafting: bool = True,
+        copy_index_bytes: int = COPY_INDEX_BYTES,
     ):
         self.model_path, self.draft_path = model, draft_model
+        # copy drafts from each API key's earlier answers (caches/token_index); never shared across keys
+        self.copy_drafting = copy_drafting
+        self.copy_indexes = SharedIndexes(copy_index_bytes) if copy_drafting and copy_index_bytes > 0 else None
         self.block_size = block_size  # None: the break-even controller picks each cycle's
         self.max_queue = max_queue
         self.max_concurrent = max_concurrent
@@ -122,6 +130,7 @@ class Worker:
         self.metrics.queue_depth = self.queue_depth
         self.metrics.active_requests = self.active_requests
         self.metrics.state = lambda: self.state
+        self.metrics.copy_index_bytes = lambda: self.copy_indexes.bytes if self.copy_indexes is not None else 0
         self.stall_trace = StallTrace(threshold_from_env())  # DFLASH2_MLX_TRACE_STALLS: log slow turns
 
     # ---- called from the event loop -----------------------------------------------------------
@@ -354,7 +363,11 @@ class Worker:
         job.emit("start")
         try:
             settings = to_settings(job.params, self.tokenizer, job.cancel, job.prompt, self.block_size)
-            settings = replace(settings, yield_during_prefill=True)  # others step between its chunks
+            shared = self.copy_indexes.for_key(job.client) if self.copy_indexes is not None else None
+            # others step between its chunks; copies come from this client's own earlier answers
+            settings = replace(
+                settings, yield_during_prefill=True, copy_drafting=self.copy_drafting, copy_index=shared
+            )
             runner, tok = self.target.runner, self.tokenizer
             if self.drafter is not None:
                 # its verify passes are answered by _step_group: alone, or batched with the others'
