@@ -251,3 +251,24 @@ def test_copy_drafting_can_be_turned_off(hybrid_target):
     events = list(generate_speculative(runner, drafter, prompt, settings))
     assert _tokens(events) == answer
     assert events[-1].stats.by_source["copy"]["cycles"] == 0 and len(index.sequences) == 1
+
+
+def test_the_server_tells_clients_apart_by_the_key_they_present():
+    """The copy index a request reads and feeds is keyed by the credential it presents (a digest),
+    whether the server checks keys or not; x-api-key and a Bearer token of the same key match."""
+    from starlette.requests import Request
+
+    from dflash2_mlx.server.dependencies import client_key
+
+    def request(**headers):
+        raw = [(k.replace("_", "-").encode(), v.encode()) for k, v in headers.items()]
+        return Request({"type": "http", "headers": raw})
+
+    alice, bob = client_key(request(authorization="Bearer alice")), client_key(request(authorization="Bearer bob"))
+    assert alice and bob and alice != bob and "alice" not in alice
+    assert client_key(request(x_api_key="alice")) == alice
+    assert client_key(request()) == "" and client_key(request(authorization="Basic xyz")) == ""
+    indexes = SharedIndexes(max_bytes=1 << 20)
+    indexes.for_key(alice).add([1, 2, 3, 4])
+    assert indexes.for_key(bob).longest_match([1, 2, 3], 1) is None
+    assert indexes.for_key(alice).longest_match([1, 2, 3], 1).continuation == [4]

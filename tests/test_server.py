@@ -104,7 +104,19 @@ def test_chat_stream_equals_complete_with_usage_and_speculative(client):
     assert choice.finish_reason in ("length", "stop")
     assert full.usage.completion_tokens <= 24 and full.usage.prompt_tokens > 0
     spec = full.model_extra["speculative"]
-    assert set(spec) == {"acceptance_length", "verify_steps", "draft_tokens", "accepted_tokens", "controller"}
+    assert set(spec) == {
+        "acceptance_length",
+        "verify_steps",
+        "draft_tokens",
+        "accepted_tokens",
+        "by_source",
+        "controller",
+    }
+    by_source = spec["by_source"]  # the drafter's blocks and copies of the context, counted apart
+    assert set(by_source) == {"dflash", "copy"}
+    assert sum(s["drafted"] for s in by_source.values()) == spec["draft_tokens"]
+    assert sum(s["accepted"] for s in by_source.values()) == spec["accepted_tokens"]
+    assert sum(s["cycles"] for s in by_source.values()) == spec["verify_steps"]
     controller = spec["controller"]  # the break-even controller decides each cycle (plain steps count too)
     assert (
         controller["policy"] == "fixed"
@@ -430,8 +442,12 @@ def test_queue_full_429_and_disconnect_cancels(server, end_bias):
         "dflash2_mlx_decode_tokens_per_second",
         "dflash2_mlx_cycle_acceptance_length_bucket{",
         "dflash2_mlx_queue_depth",
+        'dflash2_mlx_drafted_by_source_total{source="dflash"}',
+        'dflash2_mlx_accepted_by_source_total{source="copy"}',
+        "dflash2_mlx_copy_index_bytes",
     ):
         assert name in text
+    assert m["dflash2_mlx_copy_index_bytes"] > 0  # the answers so far, kept for the key's later requests
 
 
 def test_sigterm_during_a_stream_ends_it_cleanly(server, end_bias):
