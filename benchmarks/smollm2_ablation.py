@@ -9,8 +9,10 @@ committed, so only the features pass runs on a fresh machine). Every variant is 
 drafter with one knob changed, trained for ``--steps`` steps on the same data, with the same seed,
 on the plan's draft vocabulary, into ``WORK/ablation/<variant>`` (a killed run resumes there).
 
-Each is then scored on the held-out prompts' greedy answers (the target's own, 128 tokens, made
-once into ``WORK/ablation/heldout_answers.npz``) with ``evaluate_drafter``: the tokens per cycle greedy
+Each is then scored on the held-out prompts' greedy answers (the target's own, each as the engine
+writes it alone, up to 128 tokens or its end token, made once into
+``WORK/ablation/heldout_windows.npz``; windows and features as the build's training windows: the
+prompt's tail without padding, features from the whole prompt) with ``evaluate_drafter``: the tokens per cycle greedy
 speculative decoding gets at the drafter's own block size up to the end of each answer, simulated
 from every anchor exactly as the engine's cycles run (a test pins that), so no timing noise enters
 the table. It reports the
@@ -37,31 +39,45 @@ VARIANTS = {
 }
 
 
-def heldout_sequences(build, path: Path):
-    """The held-out prompts' greedy answers, each generated alone as the engine writes it (a batch
-    would pad the shorter prompts, and unmasked padding changes what SmolLM2 answers), in windows
-    of the plan's shape: the prompt's last ``context_len`` tokens (left-padded when shorter, as
-    the build's windows are), then ``continuation_len`` answer tokens."""
+def heldout_windows(build, path: Path):
+    """The held-out prompts' greedy answers, each as the engine writes it alone (answered
+    together by ``answer_prompts``, which equals that; stopped at the end token), in windows of
+    the build's shape (``smollm2_stages.make_windows``: the prompt's last ``context_len`` tokens,
+    no padding, then the answer) -> (windows, their answer ends for ``evaluate_drafter``)."""
     import numpy as np
 
-    from dflash2_mlx.training.smollm2_generation import generate_batch, left_pad, pad_token_id
+    from dflash2_mlx.training.smollm2_generation import answer_prompts
     from dflash2_mlx.training.smollm2_prompts import read_prompt_set
+    from dflash2_mlx.training.smollm2_stages import Windows, make_windows
 
+    plan, tok = build.plan, build.target.tokenizer
+    stops = sorted(tok.eos_token_ids)
     if path.exists():
         with np.load(path) as data:
-            return np.asarray(data["sequences"])
-    plan, tok = build.plan, build.target.tokenizer
-    pad = pad_token_id(tok)
-    windows = []
-    for record in read_prompt_set(build.work / "prompts.jsonl", "heldout"):
-        prompt = np.array([tok.encode(record["prompt"], add_special_tokens=False)], dtype=np.int32)
-        answer = generate_batch(build.target.runner, prompt, plan.continuation_len, None, seed=plan.seed)
-        context = left_pad([prompt[0, -plan.context_len :]], pad, min_len=plan.context_len)
-        windows.append(np.concatenate([context, answer], axis=1))
-    sequences = np.concatenate(windows, axis=0)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    np.savez(path, sequences=sequences)
-    return sequences
+            sizes = np.asarray(data["prompt_tokens"])
+            prompts = np.split(np.asarray(data["prompts"], dtype=np.int32), np.cumsum(sizes)[:-1])
+            windows = Windows(data["sequences"], data["starts"], data["lengths"], prompts)
+    else:
+        prompts = [
+            tok.encode(r["prompt"], add_special_tokens=False)
+            for r in read_prompt_set(build.work / "prompts.jsonl", "heldout")
+        ]
+        answers = answer_prompts(build.target.runner, prompts, plan.continuation_len, stop_ids=stops)
+        windows = make_windows(prompts, answers, plan.context_len, plan.continuation_len)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        np.savez(
+            path,
+            sequences=windows.sequences,
+            starts=windows.starts,
+            lengths=windows.lengths,
+            prompt_tokens=np.array([len(p) for p in prompts]),
+            prompts=np.concatenate([np.asarray(p, dtype=np.int32) for p in prompts]),
+        )
+    # the end token's position where the answer wrote one, else one past its last token
+    ends = np.array(
+        [n - 1 if windows.sequences[i, n - 1] in stops else n for i, n in enumerate(windows.lengths.tolist())]
+    )
+    return windows, ends
 
 
 def main(argv=None) -> int:
@@ -76,24 +92,31 @@ def main(argv=None) -> int:
     from dflash2_mlx.models.loading import load_drafter
     from dflash2_mlx.training.build_smollm2_drafter import Build
     from dflash2_mlx.training.demo_plan import fix_threads
-    from dflash2_mlx.training.drafter_batches import answer_ends
     from dflash2_mlx.training.drafter_eval import evaluate_drafter
     from dflash2_mlx.training.smollm2_plan import FULL
-    from dflash2_mlx.training.smollm2_stages import drafter_bytes, load_features, train
+    from dflash2_mlx.training.smollm2_stages import drafter_bytes, load_features, train, window_features
+    from dflash2_mlx.training.target_features import TargetFeatures
 
     fix_threads()
     build = Build(FULL, args.work, args.work / "unused-out")
     records = build.run("features")
-    sequences = build.sequences(records["greedy"], records["sampled"])
-    kept = load_features(FULL, build.target, sequences, args.work / "features", records["features"].outputs["chunks"])
+    windows = build.sequences(records["greedy"], records["sampled"])
+    kept = load_features(FULL, build.target, windows, args.work / "features", records["features"].outputs["chunks"])
     vocab = build.trained_vocab()
-    held = heldout_sequences(build, args.work / "ablation" / "heldout_answers.npz")
-    held_ends = answer_ends(held, FULL.context_len, FULL.drafter_options["answer_end_token_ids"])
+    held, held_ends = heldout_windows(build, args.work / "ablation" / "heldout_windows.npz")
+    taps = list(FULL.drafter_taps)
+    held_features = TargetFeatures.from_arrays(
+        build.target.runner, held.sequences, taps, window_features(build.target.runner, held, taps)[0]
+    )
 
     def scored(name: str, drafter_dir: Path) -> dict:
         """The drafter's shape, size and held-out acceptance: the row every variant shares."""
         drafter = load_drafter(str(drafter_dir))
-        metrics = evaluate_drafter(build.target, drafter, held, continuation_start=FULL.context_len, ends=held_ends)
+        if list(drafter.config.target_layer_ids) != taps:
+            raise ValueError(f"{drafter_dir} taps {drafter.config.target_layer_ids}, not the plan's {taps}")
+        metrics = evaluate_drafter(
+            build.target, drafter, held.sequences, held.starts, ends=held_ends, features=held_features
+        )
         return {
             "variant": name,
             "layers": drafter.config.num_hidden_layers,
@@ -109,7 +132,7 @@ def main(argv=None) -> int:
         plan = dataclasses.replace(FULL, name=f"ablation-{name}", drafter_steps=args.steps, **VARIANTS[name])
         out = args.work / "ablation" / name
         t0 = time.perf_counter()
-        trained = train(plan, build.target, sequences, out, build.log, features=kept, draft_vocab=vocab)
+        trained = train(plan, build.target, windows, out, build.log, features=kept, draft_vocab=vocab)
         seconds = time.perf_counter() - t0
         state = json.loads((out / "training_state" / "state.json").read_text())
         rows.append(

@@ -23,9 +23,9 @@ fix_threads()
 import numpy as np  # noqa: E402
 
 from dflash2_mlx.models.loading import load_target  # noqa: E402
-from dflash2_mlx.training.smollm2_generation import generate_batch  # noqa: E402
+from dflash2_mlx.training.smollm2_generation import answer_prompts  # noqa: E402
 from dflash2_mlx.training.smollm2_plan import FULL  # noqa: E402
-from dflash2_mlx.training.smollm2_stages import train  # noqa: E402
+from dflash2_mlx.training.smollm2_stages import make_windows, train  # noqa: E402
 from dflash2_mlx.training.target_features import TargetFeatures  # noqa: E402
 
 
@@ -36,7 +36,7 @@ def main() -> None:
 
     def generation_seconds() -> float:
         t = time.perf_counter()
-        generate_batch(target.runner, windows[:, : FULL.context_len], 9)
+        answer_prompts(target.runner, windows[:, : FULL.context_len].tolist(), 9)
         return time.perf_counter() - t
 
     def feature_seconds() -> float:
@@ -49,7 +49,10 @@ def main() -> None:
         FULL, drafter_steps=8, drafter_options={**FULL.drafter_options, "log_every": 1, "checkpoint_every": 0}
     )
     with tempfile.TemporaryDirectory() as tmp:
-        info = train(plan, target, windows, Path(tmp) / "drafter", print)
+        prompts = windows[:, : FULL.context_len].tolist()
+        answers = [row[FULL.context_len :] for row in windows]
+        data = make_windows(prompts, answers, FULL.context_len, FULL.continuation_len)
+        info = train(plan, target, data, Path(tmp) / "drafter", print)
         history = json.loads((Path(tmp) / "drafter" / "training_state" / "state.json").read_text())["history"]
     generation.append(generation_seconds())
     features.append(feature_seconds())

@@ -146,6 +146,11 @@ def test_token_counts_read_the_generated_part_of_the_builds_chunks(tmp_path):
     sequences = np.array([[1, 2, 3, 4], [5, 6, 7, 7]], dtype=np.int32)
     np.savez(tmp_path / "chunk_00000.npz", sequences=sequences, prompt_tokens=np.array([2, 3]))
     assert continuation_token_counts([tmp_path], 2) == Counter({3: 1, 4: 1, 7: 2})
+    # chunks since issue 40: each row's answer from its start to its length (the rest is filler)
+    unpadded = tmp_path / "unpadded"
+    unpadded.mkdir()
+    np.savez(unpadded / "chunk_00000.npz", sequences=sequences, starts=np.array([1, 2]), lengths=np.array([3, 4]))
+    assert continuation_token_counts([unpadded], 2) == Counter({2: 1, 3: 1, 7: 2})
     with pytest.raises(ValueError, match="no continuation chunks"):
         continuation_token_counts([tmp_path / "empty"], 2)
 

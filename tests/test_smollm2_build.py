@@ -10,10 +10,10 @@ import pytest
 from test_gguf import write_tiny_gguf
 
 from dflash2_mlx.training.build_smollm2_drafter import COMMITTED_PROMPTS, Build, StagePaused
-from dflash2_mlx.training.smollm2_generation import left_pad
+from dflash2_mlx.training.smollm2_generation import answer_prompts
 from dflash2_mlx.training.smollm2_plan import FULL, STAGES, TINY, StageRecord
 from dflash2_mlx.training.smollm2_prompts import KINDS, fold, question_in, read_prompt_set
-from dflash2_mlx.training.smollm2_stages import load_sequences
+from dflash2_mlx.training.smollm2_stages import load_sequences, load_windows, make_windows, window_features
 
 
 @pytest.fixture(scope="module")
@@ -29,10 +29,73 @@ def tiny_build(tmp_path_factory):
     return plan, work, out, records
 
 
-def test_left_padding_right_aligns_prompts_to_the_longest_or_the_minimum_length():
-    padded = left_pad([[5, 6, 7], [8]], pad_id=0, min_len=2)
-    assert padded.tolist() == [[5, 6, 7], [0, 0, 8]]
-    assert left_pad([[5]], pad_id=0, min_len=3).tolist() == [[0, 0, 5]]
+@pytest.fixture(scope="module")
+def tiny_target(tmp_path_factory):
+    from dflash2_mlx.models.loading import load_target
+
+    path = tmp_path_factory.mktemp("alone") / "m.gguf"
+    write_tiny_gguf(path, "llama", seed=5)
+    return load_target(str(path))
+
+
+def _alone(target, prompt, max_tokens, stops=(), sampling=None, seed=0):
+    """The engine's plain decoding of ``prompt`` (greedy), or answer_prompts with it alone."""
+    if sampling is None:
+        from dflash2_mlx.decoding.autoregressive import generate_autoregressive
+        from dflash2_mlx.decoding.types import GenerationSettings
+
+        settings = GenerationSettings(max_tokens=max_tokens, stop_token_ids=list(stops))
+        return [t for e in generate_autoregressive(target.runner, prompt, settings) for t in e.tokens]
+    return answer_prompts(target.runner, [prompt], max_tokens, sampling, seed=seed, stop_ids=stops)[0].tolist()
+
+
+def test_every_batched_answer_and_its_features_equal_the_prompt_answered_alone(tiny_target):
+    """Issue 40: prompts of different lengths in one call, no padding seen, each answer what the
+    engine writes for it alone and stopped at its end token; its window's features those of its
+    whole prompt + answer alone."""
+    import mlx.core as mx
+
+    from dflash2_mlx.decoding.sampling import SamplingSettings
+
+    rng = np.random.default_rng(0)
+    vocab = tiny_target.runner.vocab_size
+    prompts = [rng.integers(3, vocab, size=n).tolist() for n in (5, 23, 9, 23, 14, 40, 2)]
+    max_tokens, context = 20, 12
+    plain = [_alone(tiny_target, p, max_tokens) for p in prompts]
+    # an end token: the 4th token prompt 1's answer writes (not written before it there)
+    stop = next(t for t in plain[1][3:] if t not in plain[1][:3])
+    stopped = [_alone(tiny_target, p, max_tokens, stops=[stop]) for p in prompts]
+    assert stopped[1][-1] == stop and len(stopped[1]) < max_tokens
+    for method in ("padded", "equal"):
+        batched = answer_prompts(tiny_target.runner, prompts, max_tokens, stop_ids=[stop], method=method)
+        assert [a.tolist() for a in batched] == stopped, method
+    assert [a.tolist() for a in answer_prompts(tiny_target.runner, prompts, max_tokens)] == plain
+    # sampled: each prompt's draws are its own, whatever the batch
+    sampling = SamplingSettings(0.9, 0.95)
+    batched = answer_prompts(tiny_target.runner, prompts, max_tokens, sampling, seed=7, stop_ids=[stop])
+    for prompt, answer in zip(prompts, batched):
+        assert answer.tolist() == _alone(tiny_target, prompt, max_tokens, [stop], sampling, seed=7)
+    assert [a.tolist() for a in batched] != stopped
+
+    # features of the windows (the prompt's tail, the answer, fill) against each prompt + answer alone
+    answers = answer_prompts(tiny_target.runner, prompts, max_tokens, stop_ids=[stop])
+    windows = make_windows(prompts, answers, context, max_tokens)
+    assert windows.starts.tolist() == [min(len(p), context) for p in prompts]
+    taps = [0, 1]
+    feats, final = window_features(tiny_target.runner, windows, taps, final=True)
+    runner = tiny_target.runner
+    for i, (prompt, answer) in enumerate(zip(prompts, answers)):
+        real = int(windows.lengths[i])
+        assert windows.sequences[i, :real].tolist() == (prompt[-context:] + answer.tolist())
+        whole = mx.array([prompt + answer.tolist()], dtype=mx.int32)
+        _, alone = runner(whole, runner.make_cache(), taps=taps + [len(runner.layers) - 1], logits_from=whole.shape[1])
+        begin = len(prompt) - int(windows.starts[i])
+        width = len(taps) * runner.hidden_size
+        np.testing.assert_allclose(np.array(feats[i, :real]), np.array(alone[0, begin:, :width]), rtol=1e-4, atol=1e-5)
+        np.testing.assert_allclose(
+            np.array(final[i, :real]), np.array(runner.inner.norm(alone[0, begin:, width:])), rtol=1e-4, atol=1e-5
+        )
+        assert not np.array(feats[i, real:]).any()
 
 
 @pytest.mark.parametrize(
@@ -61,24 +124,47 @@ def test_the_prompt_set_holds_out_every_kind_and_shares_no_request_with_training
     )
 
 
-def test_training_sequences_are_the_prompt_tail_then_the_answer_at_one_length(tiny_build):
+def test_training_windows_are_the_prompt_tail_then_the_answer_stopped_at_its_end(tiny_build):
     plan, work, _, records = tiny_build
+    width = plan.context_len + plan.continuation_len
     for stage in ("greedy", "sampled"):
-        seqs = load_sequences(work / "continuations" / stage, records[stage].outputs["chunks"])
-        assert seqs.shape == (records[stage].outputs["sequences"], plan.context_len + plan.continuation_len)
-    greedy = load_sequences(work / "continuations" / "greedy", records["greedy"].outputs["chunks"])
-    sampled = load_sequences(work / "continuations" / "sampled", records["sampled"].outputs["chunks"])
-    assert np.array_equal(greedy[:, : plan.context_len], sampled[:, : plan.context_len])
-    assert not np.array_equal(greedy, sampled)
+        windows = load_windows(work / "continuations" / stage, records[stage].outputs["chunks"])
+        assert windows.sequences.shape == (records[stage].outputs["sequences"], width)
+        for i, prompt in enumerate(windows.prompts):
+            start, length = int(windows.starts[i]), int(windows.lengths[i])
+            assert start == min(len(prompt), plan.context_len) and start < length <= width
+            assert windows.sequences[i, :start].tolist() == prompt[-plan.context_len :].tolist()
+            answer = windows.answer(i).tolist()
+            assert len(answer) == plan.continuation_len or answer[-1] == 2  # the tiny GGUF's <|im_end|>
+            assert 2 not in answer[:-1]  # nothing after the end token
+    greedy = load_windows(work / "continuations" / "greedy", records["greedy"].outputs["chunks"])
+    sampled = load_windows(work / "continuations" / "sampled", records["sampled"].outputs["chunks"])
+    assert [p.tolist() for p in greedy.prompts] == [p.tolist() for p in sampled.prompts]
+    assert not np.array_equal(greedy.sequences, sampled.sequences)
+
+
+def test_a_chunk_made_before_issue_40_is_never_reused(tiny_build, tmp_path):
+    """The committed chunks of the left-padded recipe have no lengths: a chunk file of that
+    layout is generated again even if its key matched."""
+    import dflash2_mlx.training.smollm2_stages as stages
+
+    plan, work, _, _ = tiny_build
+    chunk = sorted((work / "continuations" / "greedy").glob("chunk_*.npz"))[0]
+    with np.load(chunk) as data:
+        key = str(data["key"])
+        old = {"sequences": data["sequences"], "prompt_tokens": data["prompt_tokens"], "key": data["key"]}
+    assert stages._chunk_done(chunk, key)
+    np.savez(tmp_path / "chunk_00000.npz", **old)
+    assert not stages._chunk_done(tmp_path / "chunk_00000.npz", key)
 
 
 def test_a_window_limit_keeps_the_first_windows_greedy_answers_first(tiny_build):
     plan, work, out, records = tiny_build
-    every = Build(plan, work, out).sequences(records["greedy"], records["sampled"])
+    every = Build(plan, work, out).sequences(records["greedy"], records["sampled"]).sequences
     greedy = load_sequences(work / "continuations" / "greedy", records["greedy"].outputs["chunks"])
     assert np.array_equal(every[: len(greedy)], greedy)
     first = Build(dataclasses.replace(plan, windows=5), work, out)
-    assert np.array_equal(first.sequences(records["greedy"], records["sampled"]), every[:5])
+    assert np.array_equal(first.sequences(records["greedy"], records["sampled"]).sequences, every[:5])
 
 
 def test_the_build_writes_a_manifest_a_model_card_and_a_drafter_identical_to_plain_decoding(tiny_build):
@@ -157,7 +243,7 @@ def test_committed_continuation_chunks_are_copied_instead_of_generated(tiny_buil
     def no_generation(*args, **kwargs):
         raise AssertionError("a committed chunk was generated again")
 
-    monkeypatch.setattr(stages, "generate_batch", no_generation)
+    monkeypatch.setattr(stages, "answer_prompts", no_generation)
     fresh = Build(plan, tmp_path / "work", tmp_path / "out")
     again = fresh.run("sampled")
     for name in ("greedy", "sampled"):

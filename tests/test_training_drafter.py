@@ -925,3 +925,39 @@ def test_evaluation_up_to_each_answers_end_is_the_engine_stopping_there(target, 
         assert sum(emitted) == end - PREFIX  # it stopped with the end token
         tokens, cycles = tokens + sum(emitted), cycles + len(emitted)
     assert metrics["acceptance"] == tokens / cycles and metrics["cycles"] == cycles
+
+
+def test_no_token_after_an_answers_end_is_trained_on(target, sequences, tmp_path):
+    """Issue 40: a row's tokens after its length (its answer's end token, or where the answer was
+    cut) are filler: the same rows with other filler train bit for bit the same drafter, answers
+    starting where each row says (``continuation_start`` per row)."""
+    n, seq_len = sequences.shape
+    starts = np.array([PREFIX - (i % 3) for i in range(n)])
+    lengths = np.array([PREFIX + 6 + 2 * i for i in range(n)])
+    other = sequences.copy()
+    rng = np.random.default_rng(0)
+    for i, length in enumerate(lengths):
+        other[i, length:] = rng.integers(0, 256, size=seq_len - length)
+    config = small_config(soft_target_weight=0.5)
+
+    def weights(seqs, name, **kw):
+        out = train_drafter(target, seqs, tmp_path / name, config, continuation_start=starts, progress=False, **kw)
+        return load_file(str(out / "model.safetensors"))
+
+    first, second = weights(sequences, "a", lengths=lengths), weights(other, "b", lengths=lengths)
+    assert all(np.array_equal(first[k], second[k]) for k in first)
+    unmasked = weights(other, "c")  # without lengths, the filler is trained on
+    assert not all(np.array_equal(first[k], unmasked[k]) for k in first)
+
+
+def test_evaluation_with_a_start_per_row_is_each_row_evaluated_alone(target, trained, sequences):
+    drafter = load_drafter(str(trained))
+    seqs, starts = sequences[:3], np.array([PREFIX, PREFIX - 3, PREFIX - 5])
+    ends = np.array([PREFIX + 10, PREFIX + 20, PREFIX + CONT])
+    together = evaluate_drafter(target, drafter, seqs, starts, ends=ends)
+    alone = [evaluate_drafter(target, drafter, seqs[i : i + 1], int(starts[i]), ends=ends[i : i + 1]) for i in range(3)]
+    assert together["cycles"] == sum(a["cycles"] for a in alone)
+    assert together["acceptance"] == pytest.approx(
+        sum(a["acceptance"] * a["cycles"] for a in alone) / together["cycles"], rel=1e-12
+    )
+    assert together["blocks"] == sum(a["blocks"] for a in alone)

@@ -134,13 +134,14 @@ class Build:
         return record
 
     def continuations(self, prompts: StageRecord, sampled: bool) -> StageRecord:
+        from dflash2_mlx.training.smollm2_generation import GENERATION_RECIPE
         from dflash2_mlx.training.smollm2_stages import generate_continuations
 
         p, name = self.plan, "sampled" if sampled else "greedy"
         fields = ["target", "seed", "context_len", "continuation_len", "batch_size"]
         if sampled:
             fields += ["sample_temperature", "sample_top_p"]
-        key = stage_key(plan=p.fields(*fields), prompts=prompts.outputs["sha256"], stage=name)
+        key = stage_key(plan=p.fields(*fields), prompts=prompts.outputs["sha256"], stage=name, recipe=GENERATION_RECIPE)
         return self.run_stage(
             name,
             key,
@@ -167,24 +168,25 @@ class Build:
         self.log(f"continuations: saved to {COMMITTED_CONTINUATIONS}")
 
     def sequences(self, greedy: StageRecord, sampled: StageRecord):
-        import numpy as np
+        """The training windows (``smollm2_stages.Windows``): the greedy answers', then the
+        sampled ones', the plan's first ``windows`` of them."""
+        from dflash2_mlx.training.smollm2_stages import Windows, load_windows
 
-        from dflash2_mlx.training.smollm2_stages import load_sequences
-
-        every = np.concatenate(
+        every = Windows.concatenate(
             [
-                load_sequences(self.work / "continuations" / name, record.outputs["chunks"])
+                load_windows(self.work / "continuations" / name, record.outputs["chunks"])
                 for name, record in (("greedy", greedy), ("sampled", sampled))
             ]
         )
         return every[: self.plan.windows]
 
     def features(self, greedy: StageRecord, sampled: StageRecord) -> StageRecord:
-        from dflash2_mlx.training.smollm2_stages import compute_features
+        from dflash2_mlx.training.smollm2_stages import FEATURES_RECIPE, compute_features
 
         key = stage_key(
             plan=self.plan.fields("target", "drafter_taps", "batch_size", "windows"),
             data=[greedy.outputs["sha256"], sampled.outputs["sha256"]],
+            recipe=FEATURES_RECIPE,
         )
         return self.run_stage(
             "features",
@@ -222,12 +224,12 @@ class Build:
                 shutil.rmtree(drafter_dir)
             drafter_dir.mkdir(parents=True, exist_ok=True)
             key_file.write_text(key + "\n")
-            sequences = self.sequences(greedy, sampled)
-            kept = load_features(p, self.target, sequences, self.work / "features", features.outputs["chunks"])
+            windows = self.sequences(greedy, sampled)
+            kept = load_features(p, self.target, windows, self.work / "features", features.outputs["chunks"])
             out = train(
                 p,
                 self.target,
-                sequences,
+                windows,
                 drafter_dir,
                 self.log,
                 progress=sys.stderr.isatty(),

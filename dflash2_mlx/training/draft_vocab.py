@@ -32,14 +32,20 @@ from dflash2_mlx.models.drafter import DRAFT_VOCAB_KEY
 
 def continuation_token_counts(chunk_dirs: Iterable[Path], start: int) -> Counter:
     """How often each token id occurs in the generated part of the build's continuation chunks
-    (``chunk_*.npz`` whose ``sequences`` [N, L] are the prompt's last ``start`` tokens, then the
-    target's continuation)."""
+    (``chunk_*.npz``: each row's answer, from its ``starts`` to its ``lengths``; in chunks without
+    them, made before issue 40, ``sequences`` [N, L] are the prompt's last ``start`` tokens, then
+    the target's continuation)."""
     counts: Counter = Counter()
     chunk_dirs = list(chunk_dirs)
     for directory in chunk_dirs:
         for chunk in sorted(Path(directory).glob("**/chunk_*.npz")):
             with np.load(chunk) as data:
-                counts.update(np.asarray(data["sequences"])[:, start:].ravel().tolist())
+                sequences = np.asarray(data["sequences"])
+                if "lengths" in data.files:
+                    for row, begin, end in zip(sequences, data["starts"], data["lengths"]):
+                        counts.update(row[begin:end].tolist())
+                else:
+                    counts.update(sequences[:, start:].ravel().tolist())
     if not counts:
         raise ValueError(f"no continuation chunks (chunk_*.npz) under {[str(d) for d in chunk_dirs]}")
     return counts

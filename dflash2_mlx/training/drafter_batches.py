@@ -17,7 +17,9 @@ __all__ = [
     "answer_ends",
     "batch_indices",
     "block_arrays",
+    "label_mask",
     "loss_weights",
+    "per_sequence",
     "sample_anchors",
     "step_rng",
 ]
@@ -52,16 +54,35 @@ def anchor_range(seq_len: int, block_size: int, continuation_start: int) -> tupl
     return lo, hi
 
 
-def answer_ends(sequences: np.ndarray, continuation_start: int, end_token_ids) -> np.ndarray:
-    """[n] position of each sequence's first end token at or after ``continuation_start`` (its
-    length when there is none, or no end tokens are given)."""
+def per_sequence(value, n: int, name: str) -> np.ndarray:
+    """int64 [n]: one value per sequence (an int is every sequence's)."""
+    out = np.asarray(value)
+    if out.ndim == 0:
+        out = np.full(n, out)
+    if out.shape != (n,) or not np.issubdtype(out.dtype, np.integer):
+        raise ValueError(f"{name} is an int or one int per sequence ({n}), got shape {np.shape(value)}")
+    return out.astype(np.int64)
+
+
+def answer_ends(sequences: np.ndarray, continuation_start, end_token_ids) -> np.ndarray:
+    """[n] position of each sequence's first end token at or after its ``continuation_start``
+    (an int, or one per sequence; its length when there is none, or no end tokens are given)."""
     n, seq_len = sequences.shape
+    starts = per_sequence(continuation_start, n, "continuation_start")
     ends = np.full(n, seq_len, dtype=np.int64)
     if len(end_token_ids):
-        is_end = np.isin(sequences[:, continuation_start:], np.asarray(end_token_ids))
+        is_end = np.isin(sequences, np.asarray(end_token_ids)) & (np.arange(seq_len)[None] >= starts[:, None])
         found = is_end.any(axis=1)
-        ends[found] = continuation_start + is_end.argmax(axis=1)[found]
+        ends[found] = is_end.argmax(axis=1)[found]
     return ends
+
+
+def label_mask(anchors: np.ndarray, block_size: int, valid_lengths: np.ndarray) -> np.ndarray:
+    """bool [n, N, B-1]: the rows whose label (position a + i, i = 1..B-1) lies before its
+    sequence's ``valid_lengths`` [n]: the tokens the target wrote up to its end token. Rows after
+    it are not trained on: the engine stops at the end token and never drafts past it."""
+    positions = anchors[..., None] + np.arange(1, block_size)
+    return positions < np.asarray(valid_lengths)[:, None, None]
 
 
 def sample_anchors(

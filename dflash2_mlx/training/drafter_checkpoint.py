@@ -37,9 +37,19 @@ __all__ = [
 STATE_DIR = "training_state"
 
 
-def data_fingerprint(sequences: np.ndarray, continuation_start: int) -> str:
+def data_fingerprint(sequences: np.ndarray, continuation_start, lengths: Optional[np.ndarray] = None) -> str:
+    """sha256 of the training data: the rows, where their answers start (an int or one per
+    row) and, when given, their real lengths."""
     h = hashlib.sha256(np.ascontiguousarray(sequences, dtype=np.int32).tobytes())
-    h.update(f"{sequences.shape}:{continuation_start}".encode())
+    if np.ndim(continuation_start) == 0 and lengths is None:
+        h.update(f"{sequences.shape}:{continuation_start}".encode())  # the fingerprint of runs made before
+    else:
+        h.update(f"{sequences.shape}:".encode())
+        h.update(
+            np.ascontiguousarray(np.broadcast_to(continuation_start, sequences.shape[:1]), dtype=np.int64).tobytes()
+        )
+        if lengths is not None:
+            h.update(b"lengths:" + np.ascontiguousarray(lengths, dtype=np.int64).tobytes())
     return h.hexdigest()
 
 

@@ -14,7 +14,7 @@ import numpy as np
 
 from dflash2_mlx.models.drafter import Drafter
 from dflash2_mlx.models.selector import top_k_candidates
-from dflash2_mlx.training.drafter_batches import anchor_range, block_arrays, loss_weights
+from dflash2_mlx.training.drafter_batches import anchor_range, block_arrays, loss_weights, per_sequence
 from dflash2_mlx.training.drafter_loss import drafter_head, drafter_loss, forward_blocks, leading_run, selector_scores
 from dflash2_mlx.training.drafter_training_config import DrafterTrainingConfig
 
@@ -64,9 +64,10 @@ def evaluate_drafter(
     target,
     drafter: Drafter,
     sequences: np.ndarray,
-    continuation_start: int = 0,
+    continuation_start=0,
     batch: int = 8,
     ends: Optional[Sequence[int]] = None,
+    features=None,
 ) -> dict[str, float]:
     """Held-out metrics of a drafter on target-generated sequences (no training, no randomness).
 
@@ -79,11 +80,17 @@ def evaluate_drafter(
     stops: the text a model writes after ending its turn is never drafted). ``acceptance`` is the number to quote:
     ``tau`` averages over anchors uniformly, while decoding spends more cycles where the drafter
     misses, so ``tau`` (and the training progress's) reads higher.
+
+    ``continuation_start``: an int, or one per sequence (where its answer begins). ``features``:
+    the target's taps of ``sequences`` computed before (a ``TargetFeatures``, e.g. from the
+    whole prompt when a row holds only its tail); None computes them from the rows themselves.
     """
     sequences = np.asarray(sequences, dtype=np.int32)
     cfg = drafter.config
     runner = target.runner
-    lo, hi = anchor_range(sequences.shape[1], cfg.block_size, continuation_start)
+    starts = per_sequence(continuation_start, len(sequences), "continuation_start")
+    lo, hi = anchor_range(sequences.shape[1], cfg.block_size, int(starts.min()))
+    anchor_range(sequences.shape[1], cfg.block_size, int(starts.max()))
     positions = np.arange(lo, hi + 1, dtype=np.int32)
     config = DrafterTrainingConfig(block_size=cfg.block_size, selector=False)
     weights = mx.array(loss_weights(cfg.block_size, config.resolved_gamma()))
@@ -92,23 +99,34 @@ def evaluate_drafter(
     head, column_of = drafter_head(runner, drafter)
     for start in range(0, len(sequences), batch):
         seqs = sequences[start : start + batch]
-        _, feats = runner(mx.array(seqs), runner.make_cache(), taps=cfg.target_layer_ids, logits_from=seqs.shape[1] - 1)
+        if features is not None:
+            feats = features(np.arange(start, start + len(seqs)))[0]
+        else:
+            _, feats = runner(
+                mx.array(seqs), runner.make_cache(), taps=cfg.target_layer_ids, logits_from=seqs.shape[1] - 1
+            )
         anchors = np.tile(positions, (len(seqs), 1))
         blocks, labels, preds = block_arrays(seqs, anchors, cfg.block_size, cfg.mask_token_id)
         hidden = forward_blocks(drafter, runner.embed, feats, mx.array(blocks), mx.array(anchors))
-        m = len(hidden)
-        columns = labels if column_of is None else column_of[labels]
-        labels, preds = mx.array(labels.reshape(m, -1)), mx.array(preds.reshape(m, -1))
-        _, metrics = drafter_loss(drafter, head, hidden, mx.array(columns.reshape(m, -1)), preds, weights, config)
+        # the blocks anchored inside each answer (all of them when every answer starts at lo)
+        scored = (anchors >= starts[start : start + len(seqs), None]).reshape(-1)
+        kept = mx.array(np.flatnonzero(scored))
+        m = int(scored.sum())
+        columns = (labels if column_of is None else column_of[labels]).reshape(-1, cfg.block_size - 1)[scored]
+        labels = mx.array(labels.reshape(-1, cfg.block_size - 1))
+        preds = mx.array(preds.reshape(-1, cfg.block_size - 1))
+        _, metrics = drafter_loss(drafter, head, hidden[kept], mx.array(columns), preds[kept], weights, config)
         for k, v in metrics.items():
             totals[k] = totals.get(k, 0.0) + float(v.item()) * m
         count += m
         leading = np.array(leading_run(greedy_walk_correct(drafter, head, hidden, labels, preds)))
         for i, row in enumerate(leading.reshape(len(seqs), len(positions))):
+            first = int(starts[start + i]) - lo  # the anchor of the answer's first token
+            row, own = row[first:], positions[first:]
             if ends is not None:  # anchors before the end token; no cycle emits past it
                 end = int(ends[start + i])
-                kept = max(end - lo, 0)
-                row = np.minimum(row[:kept], end - positions[:kept] - 1)
+                kept_anchors = max(end - int(own[0]), 0)
+                row = np.minimum(row[:kept_anchors], end - own[:kept_anchors] - 1)
             emitted = simulated_cycles(row)
             tokens, cycles = tokens + sum(emitted), cycles + len(emitted)
     out = {k: v / count for k, v in totals.items()}

@@ -88,6 +88,7 @@ def drafter_loss(
     weights: mx.array,
     config: DrafterTrainingConfig,
     target_logits: Optional[mx.array] = None,
+    valid: Optional[mx.array] = None,
 ) -> tuple[mx.array, dict[str, mx.array]]:
     """(total loss, metrics) from the block hidden rows [M, B, H] (row 0 = anchor, not scored).
 
@@ -100,6 +101,9 @@ def drafter_loss(
     vocabulary: what the drafter can propose) and ``labels`` are column indices, -1 for a token
     outside it (no cross-entropy, never right: such a token can never be drafted).
 
+    ``valid`` [M, B-1] (bool): the rows to train on; a row whose label lies after its answer's
+    end token (``drafter_batches.label_mask``) counts in no loss and is never right. None: all.
+
     metrics: ce, sel (selector loss), acc (drafter top-1), sel_acc (selector top-1 with the true
     predecessor), hit (label within the top-k: the rows the selector loss counts), tau / tau_top1
     (1 + leading correct rows: the acceptance length a greedy cycle would get on these blocks,
@@ -108,6 +112,8 @@ def drafter_loss(
     """
     h = hidden[:, 1:]
     logits = drafter.logits(h, lm_head)  # [M, R, V]
+    if valid is not None:
+        weights = weights * valid.astype(mx.float32)  # [M, R]
     inside = labels >= 0  # [M, R] the label is a column (always, without a draft vocabulary)
     ce = nn.losses.cross_entropy(logits, mx.maximum(labels, 0), reduction="none") * inside  # [M, R]
     soft = None
@@ -117,7 +123,12 @@ def drafter_loss(
         ce = (1.0 - config.soft_target_weight) * ce + config.soft_target_weight * soft
     ce_loss = (ce * weights).sum(axis=-1).mean()
     top1 = mx.argmax(logits, axis=-1) == labels
-    metrics = {"ce": ce_loss, "acc": top1.astype(mx.float32).mean(), "tau_top1": 1.0 + leading_run(top1).mean()}
+    if valid is None:
+        acc = top1.astype(mx.float32).mean()
+    else:
+        top1 = top1 & valid
+        acc = top1.astype(mx.float32).sum() / mx.maximum(valid.astype(mx.float32).sum(), 1.0)
+    metrics = {"ce": ce_loss, "acc": acc, "tau_top1": 1.0 + leading_run(top1).mean()}
     if soft is not None:
         metrics["soft"] = (soft * weights).sum(axis=-1).mean()
     total = ce_loss
@@ -134,18 +145,20 @@ def drafter_loss(
         candidate_ids = candidates if vocab is None else vocab[candidates]
         scores = selector_scores(sel, sel_hidden, candidate_ids, unary, predecessors)
         hit = candidates == labels[..., None]
-        valid = hit.any(axis=-1)
+        found = hit.any(axis=-1)
+        if valid is not None:
+            found = found & valid
         index = mx.argmax(hit.astype(mx.int32), axis=-1)
         chosen = mx.argmax(scores, axis=-1)
-        right = valid & (chosen == index)
+        right = found & (chosen == index)
         metrics.update(
             sel_acc=right.astype(mx.float32).mean(),
-            hit=valid.astype(mx.float32).mean(),
+            hit=found.astype(mx.float32).mean(),
             tau=1.0 + leading_run(right).mean(),
         )
         if config.selector:
             sce = nn.losses.cross_entropy(scores, index, reduction="none")
-            w = weights * valid.astype(mx.float32)
+            w = weights * found.astype(mx.float32)
             sel_loss = (sce * w).sum() / mx.maximum(w.sum(), 1e-6)
             total = total + config.selector_loss_weight * sel_loss
             metrics["sel"] = sel_loss

@@ -11,7 +11,10 @@ The recipe
 - Data: sequences whose tail is the target's own greedy continuation (``data.py``). Anchors are
   drawn per sequence and step, uniformly among positions ``a`` with ``a >= max(1,
   continuation_start)`` (inside the generated part, with at least one context row) and
-  ``a + B - 1 < S`` (room for the block).
+  ``a + B - 1 < S`` (room for the block). Rows may start their answers at different positions
+  (``continuation_start`` per row) and end early (``lengths``: an answer stopped at its end
+  token, then filler): anchors lie before a row's last real token, and a block's rows whose
+  label lies past it count in no loss (the engine stops at the end token).
 - Block: ``[seq[a], MASK, ..., MASK]`` at positions a..a+B-1, embedded with the target's frozen
   embedding (times ``input_embedding_scale``). Context: the target's tapped hidden states of the
   positions strictly before ``a`` (computed once by the frozen target, no gradient).
@@ -95,7 +98,9 @@ from dflash2_mlx.training.drafter_batches import (
     answer_ends,
     batch_indices,
     block_arrays,
+    label_mask,
     loss_weights,
+    per_sequence,
     sample_anchors,
     step_rng,
 )
@@ -122,16 +127,21 @@ def train_drafter(
     out_dir: Path,
     config: DrafterTrainingConfig,
     init: Optional[Path] = None,
-    continuation_start: int = 0,
+    continuation_start=0,
     progress: bool = True,
     features: Optional[TargetFeatures] = None,
     draft_vocab: Optional[np.ndarray] = None,
     max_bytes: Optional[int] = None,
+    lengths: Optional[np.ndarray] = None,
 ) -> Path:
     """Train a drafter on ``sequences`` (int32 [n, S], ideally from ``generate_training_sequences``).
 
     ``target`` is a ``loading.Target`` (frozen; its embedding and LM head are shared). Anchors are
-    drawn at positions >= ``continuation_start`` with room for the block. Writes ``out_dir``
+    drawn at positions >= ``continuation_start`` (an int, or one per sequence: where its answer
+    begins) with room for the block. ``lengths`` [n] (default: all of each row): how many tokens
+    of each row are real, the prompt part then the answer up to and including its end token;
+    what follows is filler. Anchors lie before a row's last real token, and rows of a block whose
+    label lies past it (or past an ``answer_end_token_ids`` token) are not trained on. Writes ``out_dir``
     (config.json + model.safetensors in the real layout, training_state/ for resume) and returns
     it; an ``out_dir`` holding a run's state resumes that run. Deterministic for a fixed seed and
     step budget; a ``minutes`` budget is not. ``features`` (``TargetFeatures.from_arrays``) are
@@ -153,11 +163,16 @@ def train_drafter(
         raise ValueError(f"sequences must be a non-empty [n, S] array of token ids, got shape {sequences.shape}")
     runner = target.runner
     n_seq, seq_len = sequences.shape
-    anchor_range(seq_len, config.block_size, continuation_start)  # fail early with a clear message
+    starts = per_sequence(continuation_start, n_seq, "continuation_start")
+    anchor_range(seq_len, config.block_size, int(starts.max()))  # fail early with a clear message
     if runner.vocab_size and (sequences.min() < 0 or sequences.max() >= runner.vocab_size):
         raise ValueError(f"sequences hold token ids outside the target's vocabulary (size {runner.vocab_size})")
-    fingerprint = data_fingerprint(sequences, continuation_start)
-    ends = answer_ends(sequences, continuation_start, config.answer_end_token_ids)
+    fingerprint = data_fingerprint(sequences, continuation_start, lengths)
+    # each row's trainable length: its real tokens, up to and including its first end token
+    valid_lengths = per_sequence(seq_len if lengths is None else lengths, n_seq, "lengths")
+    if (valid_lengths > seq_len).any() or (valid_lengths <= starts).any():
+        raise ValueError("every row's length must lie after its continuation_start and within the row")
+    valid_lengths = np.minimum(valid_lengths, answer_ends(sequences, starts, config.answer_end_token_ids) + 1)
     vocab = None if draft_vocab is None else _checked_draft_vocab(draft_vocab, runner.vocab_size, config)
 
     previous = load_checkpoint_state(out_dir)
@@ -237,20 +252,28 @@ def train_drafter(
     # the drafter's head, also the soft targets' columns: the draft vocabulary's, or every id
     lm_head, column_of = drafter_head(runner, drafter)
 
-    def loss_fn(feats, final, blocks, anchors, labels, preds):
+    def loss_fn(feats, final, blocks, anchors, labels, preds, valid):
         hidden = forward_blocks(drafter, runner.embed, feats, blocks, anchors)
         M = hidden.shape[0]
         target_logits = None
         if final is not None:
             target_logits = block_target_logits(lm_head, final, anchors, drafter_config.block_size)
         return drafter_loss(
-            drafter, lm_head, hidden, labels.reshape(M, -1), preds.reshape(M, -1), weights, config, target_logits
+            drafter,
+            lm_head,
+            hidden,
+            labels.reshape(M, -1),
+            preds.reshape(M, -1),
+            weights,
+            config,
+            target_logits,
+            valid.reshape(M, -1),
         )
 
     loss_and_grad = nn.value_and_grad(drafter, loss_fn)
 
-    def train_step(feats, final, blocks, anchors, labels, preds):
-        (loss, metrics), grads = loss_and_grad(feats, final, blocks, anchors, labels, preds)
+    def train_step(feats, final, blocks, anchors, labels, preds, valid):
+        (loss, metrics), grads = loss_and_grad(feats, final, blocks, anchors, labels, preds, valid)
         # The selector's gradients are clipped on their own: with the default (detached) selector
         # loss the drafter's trajectory is then exactly that of a run without the selector, so
         # the ablations "+ convs" and "+ both" share one drafter and differ only in the selector.
@@ -276,7 +299,7 @@ def train_drafter(
             "data_sha256": fingerprint,
             "num_sequences": n_seq,
             "sequence_length": seq_len,
-            "continuation_start": int(continuation_start),
+            "continuation_start": int(continuation_start) if np.ndim(continuation_start) == 0 else "per sequence",
             "target": target.name,
             "architecture": drafter_config.architecture,
             "history": history,
@@ -315,8 +338,8 @@ def train_drafter(
                         seq_len,
                         drafter_config.block_size,
                         config.blocks_per_sequence,
-                        continuation_start,
-                        ends[i],  # the sequence's length when the config names no end tokens
+                        int(starts[i]),
+                        int(valid_lengths[i]) - 1,  # its end token's position, or its last token's
                     )
                     for i in idx
                 ]
@@ -335,6 +358,7 @@ def train_drafter(
                 mx.array(anchors),
                 mx.array(labels if column_of is None else column_of[labels]),
                 mx.array(preds),
+                mx.array(label_mask(anchors, drafter_config.block_size, valid_lengths[idx])),
             )
             mx.eval(metrics, drafter.parameters(), optimizer.state)
             dt = time.perf_counter() - t0

@@ -28,14 +28,15 @@ from typing import Callable, Optional
 import numpy as np
 
 from dflash2_mlx.training import corpus as corpus_mod
-from dflash2_mlx.training.smollm2_generation import generate_batch, left_pad, pad_token_id
+from dflash2_mlx.training.smollm2_generation import answer_prompts
 from dflash2_mlx.training.smollm2_plan import SmolPlan, atomic_write_text
 
 __all__ = ["KINDS", "build_prompt_set", "read_prompt_set", "request_candidates", "self_written_questions"]
 
 KINDS = ("code", "explain", "short", "self")
-# Part of the stage's key: raise it when the recipe changes what the same inputs produce.
-RECIPE_VERSION = 2
+# Part of the stage's key: raise it when the recipe changes what the same inputs produce (3: the
+# target's questions written for each request alone, no longer in left-padded batches)
+RECIPE_VERSION = 3
 
 CAPITALS = (
     "France",
@@ -261,14 +262,13 @@ def self_written_questions(
         for a in asks
     ]
     order = sorted(range(len(ids)), key=lambda i: (len(ids[i]), i))
-    pad, stops = pad_token_id(tok), set(tok.eos_token_ids)
+    stops = sorted(tok.eos_token_ids)
     out: dict[int, str] = {}
     for start in range(0, len(order), batch_size):
         rows = order[start : start + batch_size]
-        generated = generate_batch(target.runner, left_pad([ids[i] for i in rows], pad), max_tokens)
-        for i, row in zip(rows, generated):
-            end = next((j for j, t in enumerate(row) if int(t) in stops), len(row))
-            out[i] = question_in(tok.decode([int(t) for t in row[:end]]))
+        # each request answered as alone (no padding), cut after its end token
+        for i, answer in zip(rows, answer_prompts(target.runner, [ids[i] for i in rows], max_tokens, stop_ids=stops)):
+            out[i] = question_in(tok.decode([int(t) for t in answer if int(t) not in stops]))
         log(f"prompts: the target wrote {len(out)}/{len(asks)} answers")
     return [out[i] for i in range(len(asks)) if out[i] is not None]
 

@@ -1,16 +1,17 @@
 """The stages of the SmolLM2 drafter build after the prompts: continuations, training, evaluation.
 
-Continuations ("greedy", "sampled"): the target's own answers to the training prompts, a batch of
-prompts per forward, one chunk file per batch (a kill loses at most the batch in progress). Each
-training sequence is the last ``context_len`` tokens of the (left-padded) prompt followed by
-``continuation_len`` generated tokens, so all sequences have one length, as the trainer needs.
+Continuations ("greedy", "sampled"): the target's own answers to the training prompts, each as
+the engine writes it alone (``smollm2_generation.answer_prompts``: no padding seen, stopped at its
+end token), a batch of prompts per forward, one chunk file per batch (a kill loses at most the
+batch in progress). Each training sequence (a window) is the prompt's last ``context_len``
+tokens (all of it when shorter) followed by the answer, filled after its end to one length,
+as the trainer needs; ``Windows`` keeps where each answer starts and how much of its row is real.
 
 The continuation stages record token ids only, not the target's tapped features: the trainer
-(``target_features.TargetFeatures``) computes features from token sequences (a batched prefill,
-at about 2-4x the target's batched decoding rate here), and the sequences the trainer reads are
-windows of the generated text, whose features the generation pass (full prompt as context) does
-not give. The "features" stage computes them once per window, chunked, and keeps them on disk
-(about 2.7 GB for the full plan) so that a killed training stage resumes without that pass.
+reads the features of its windows, and those come from the whole prompt and the answer (a
+window may hold only the prompt's tail). The "features" stage computes them once per chunk (one
+forward over each prompt + answer, filled after its end: causal, so the fill changes nothing
+before it) and keeps them on disk so that a killed training stage resumes without that pass.
 """
 
 from __future__ import annotations
@@ -21,17 +22,20 @@ import io
 import json
 import shutil
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Optional
 
 import numpy as np
 
 from dflash2_mlx.decoding.sampling import SamplingSettings
-from dflash2_mlx.training.smollm2_generation import generate_batch, left_pad, pad_token_id
+from dflash2_mlx.training.smollm2_generation import GENERATION_RECIPE, answer_prompts
 from dflash2_mlx.training.smollm2_plan import SmolPlan, atomic_write_bytes, stage_key
 from dflash2_mlx.training.smollm2_prompts import read_prompt_set
 
 __all__ = [
+    "FEATURES_RECIPE",
+    "Windows",
     "compute_features",
     "continuation_batches",
     "copy_drafter",
@@ -39,18 +43,88 @@ __all__ = [
     "generate_continuations",
     "load_features",
     "load_sequences",
+    "load_windows",
+    "make_windows",
     "save_untrained_drafter",
     "train",
     "training_config",
+    "window_features",
 ]
+
+# Part of every feature chunk's key: the features of each window come from its whole prompt
+FEATURES_RECIPE = "whole prompt + answer, windows cut after"
+FILL = 0  # the token after an answer's end in its row (never read: the row's length says so)
+
+
+@dataclass
+class Windows:
+    """Training windows: ``sequences`` [n, S] (the prompt's tail, the answer, then fill),
+    ``starts`` [n] (the answer's first position in the row), ``lengths`` [n] (the row's real
+    tokens: the tail and the answer with its end token) and ``prompts`` (each whole prompt)."""
+
+    sequences: np.ndarray
+    starts: np.ndarray
+    lengths: np.ndarray
+    prompts: list
+
+    def __len__(self) -> int:
+        return len(self.sequences)
+
+    def __getitem__(self, index: slice) -> "Windows":
+        return Windows(self.sequences[index], self.starts[index], self.lengths[index], self.prompts[index])
+
+    @staticmethod
+    def concatenate(parts: list["Windows"]) -> "Windows":
+        return Windows(
+            np.concatenate([w.sequences for w in parts]),
+            np.concatenate([w.starts for w in parts]),
+            np.concatenate([w.lengths for w in parts]),
+            [p for w in parts for p in w.prompts],
+        )
+
+    def answer(self, i: int) -> np.ndarray:
+        return self.sequences[i, self.starts[i] : self.lengths[i]]
+
+    def offset(self, i: int) -> int:
+        """Where row i begins in its whole prompt + answer (the prompt tokens it leaves out)."""
+        return len(self.prompts[i]) - int(self.starts[i])
+
+    def whole(self, i: int) -> np.ndarray:
+        """Row i's whole prompt, then its answer."""
+        return np.concatenate([np.asarray(self.prompts[i], dtype=np.int32), self.answer(i)])
+
+    def digest(self) -> str:
+        h = hashlib.sha256()
+        for part in (self.sequences, self.starts, self.lengths):
+            h.update(np.ascontiguousarray(part, dtype=np.int64).tobytes())
+        for p in self.prompts:
+            h.update(np.asarray(p, dtype=np.int64).tobytes() + b"|")
+        return h.hexdigest()
+
+
+def make_windows(prompts: list, answers: list, context_len: int, answer_len: int) -> Windows:
+    """The windows of ``prompts`` and their ``answers``: each prompt's last ``context_len``
+    tokens (no padding: a shorter prompt is whole and its answer starts earlier), the answer, then
+    fill to ``context_len + answer_len``."""
+    width = context_len + answer_len
+    sequences = np.full((len(prompts), width), FILL, dtype=np.int32)
+    starts, lengths = np.zeros(len(prompts), np.int64), np.zeros(len(prompts), np.int64)
+    for row, (prompt, answer) in enumerate(zip(prompts, answers)):
+        tail = np.asarray(prompt[-context_len:], dtype=np.int32)
+        if len(answer) > answer_len:
+            raise ValueError(f"an answer of {len(answer)} tokens does not fit windows of {answer_len}")
+        starts[row], lengths[row] = len(tail), len(tail) + len(answer)
+        sequences[row, : lengths[row]] = np.concatenate([tail, np.asarray(answer, dtype=np.int32)])
+    return Windows(sequences, starts, lengths, [np.asarray(p, dtype=np.int32) for p in prompts])
 
 
 def _chunk_done(path: Path, key: str) -> bool:
-    """A chunk file written by an earlier run from the same inputs (its stored key matches)."""
+    """A chunk file written by an earlier run from the same inputs (its stored key matches, and it
+    is of this recipe's layout: the left-padded chunks made before issue 40 have no lengths)."""
     if not path.exists():
         return False
     with np.load(path) as old:
-        return str(old["key"]) == key
+        return str(old["key"]) == key and "lengths" in old.files
 
 
 def continuation_batches(plan: SmolPlan, tokenizer, prompts: list[dict]) -> list[list[list[int]]]:
@@ -77,19 +151,20 @@ def generate_continuations(
     tok = target.tokenizer
     batches = continuation_batches(plan, tok, prompts)
     sampling = SamplingSettings(plan.sample_temperature, plan.sample_top_p) if sampled else None
-    pad = pad_token_id(tok)
+    stops = sorted(tok.eos_token_ids)  # where the engine stops
     seed = plan.seed + (2 if sampled else 1)
-    total_len = plan.context_len + plan.continuation_len
-    generated_tokens, seconds, reused, copied = 0, 0.0, 0, 0
+    generated_tokens, stopped, seconds, reused, copied = 0, 0, 0.0, 0, 0
     for index, batch in enumerate(batches):
-        # a chunk is valid for exactly its own input tokens and settings
+        # a chunk is valid for exactly its own input tokens, settings and generation recipe
         key = stage_key(
             tokens=[list(map(int, p)) for p in batch],
             length=plan.continuation_len,
             context=plan.context_len,
             sampling=dataclasses.asdict(sampling) if sampling else None,
-            seed=seed + index,
+            seed=seed,
             target=plan.target,
+            stops=stops,
+            recipe=GENERATION_RECIPE,
         )
         path = out_dir / f"chunk_{index:05d}.npz"
         if _chunk_done(path, key):
@@ -100,73 +175,125 @@ def generate_continuations(
             copied += 1
             continue
         t0 = time.perf_counter()
-        padded = left_pad(batch, pad, min_len=plan.context_len)
-        answers = generate_batch(target.runner, padded, plan.continuation_len, sampling, seed=seed + index)
-        sequences = np.concatenate([padded[:, -plan.context_len :], answers], axis=1)
-        assert sequences.shape[1] == total_len
+        answers = answer_prompts(target.runner, batch, plan.continuation_len, sampling, seed=seed, stop_ids=stops)
+        windows = make_windows(batch, answers, plan.context_len, plan.continuation_len)
         buffer = io.BytesIO()
-        np.savez(buffer, sequences=sequences, prompt_tokens=np.array([len(p) for p in batch]), key=np.array(key))
+        np.savez(
+            buffer,
+            sequences=windows.sequences,
+            starts=windows.starts,
+            lengths=windows.lengths,
+            prompt_tokens=np.array([len(p) for p in batch]),
+            prompts=np.concatenate([np.asarray(p, dtype=np.int32) for p in batch]),
+            key=np.array(key),
+        )
         atomic_write_bytes(path, buffer.getvalue())
         dt = time.perf_counter() - t0
         seconds += dt
-        generated_tokens += answers.size
+        made = sum(len(a) for a in answers)
+        generated_tokens += made
+        stopped += sum(1 for a in answers if len(a) and int(a[-1]) in stops)
         log(
             f"{'sampled' if sampled else 'greedy'}: chunk {index + 1}/{len(batches)} "
-            f"({len(batch)} x {padded.shape[1]} prompt + {plan.continuation_len} tokens) in {dt:.1f}s, "
-            f"{answers.size / dt:.1f} generated tokens/s"
+            f"({len(batch)} prompts of {len(batch[0])}-{len(batch[-1])} tokens, {made} answer tokens) "
+            f"in {dt:.1f}s, {made / dt:.1f} generated tokens/s"
         )
-    sequences = load_sequences(out_dir, len(batches))
+    windows = load_windows(out_dir, len(batches))
     return {
         "chunks": len(batches),
         "chunks_reused": reused,
         "chunks_copied_from_committed": copied,
-        "sequences": int(sequences.shape[0]),
-        "sequence_length": total_len,
+        "sequences": len(windows),
+        "sequence_length": plan.context_len + plan.continuation_len,
+        "answer_tokens": int((windows.lengths - windows.starts).sum()),
+        "answers_stopped_this_run": stopped,
         "generated_tokens_this_run": generated_tokens,
         "generated_tokens_per_second": round(generated_tokens / seconds, 2) if seconds else None,
-        "sha256": hashlib.sha256(sequences.tobytes()).hexdigest(),
+        "sha256": windows.digest(),
     }
 
 
-def load_sequences(out_dir: Path, chunks: int) -> np.ndarray:
-    """int32 [n, context_len + continuation_len]: the chunks' sequences in chunk order."""
+def load_windows(out_dir: Path, chunks: int) -> Windows:
+    """The chunks' windows in chunk order."""
     parts = []
     for index in range(chunks):
         with np.load(Path(out_dir) / f"chunk_{index:05d}.npz") as data:
-            parts.append(np.asarray(data["sequences"], dtype=np.int32))
-    return np.concatenate(parts)
+            sizes = np.asarray(data["prompt_tokens"])
+            flat = np.asarray(data["prompts"], dtype=np.int32)
+            prompts = np.split(flat, np.cumsum(sizes)[:-1])
+            parts.append(
+                Windows(
+                    np.asarray(data["sequences"], dtype=np.int32),
+                    np.asarray(data["starts"], dtype=np.int64),
+                    np.asarray(data["lengths"], dtype=np.int64),
+                    prompts,
+                )
+            )
+    return Windows.concatenate(parts)
 
 
-def compute_features(plan: SmolPlan, target, sequences: np.ndarray, out_dir: Path, log: Callable[[str], None]) -> dict:
-    """The target's tapped features (and final-normed hidden state, for soft targets) of every
-    training sequence, one ``features_NNNNN.npz`` per batch in ``out_dir``; chunks of the same
-    tokens and taps are kept. The trainer would compute them itself before its first step, but on
-    disk a resumed training run does not pay this pass again."""
+def load_sequences(out_dir: Path, chunks: int) -> np.ndarray:
+    """int32 [n, context_len + continuation_len]: the chunks' windows' tokens in chunk order."""
+    return load_windows(out_dir, chunks).sequences
+
+
+def window_features(runner, windows: Windows, taps: list[int], final: bool = False):
+    """(features [n, S, T*H], final-normed last hidden [n, S, H] or None) of the windows, from
+    one forward over each row's whole prompt + answer (filled after its end, so every row of a
+    batch has one length; the fill comes after the real tokens, and the target is causal). A
+    window's positions after its length hold zeros."""
+    import mlx.core as mx
+
     from dflash2_mlx.training.target_features import TargetFeatures
 
+    whole = [windows.whole(i) for i in range(len(windows))]
+    tokens = np.full((len(whole), max(len(w) for w in whole)), FILL, dtype=np.int32)
+    for row, w in enumerate(whole):
+        tokens[row, : len(w)] = w
+    feats, last = TargetFeatures(runner, tokens, taps, budget=1 << 62, final=final).cached
+    width = windows.sequences.shape[1]
+    out = []
+    for array in (feats, last) if final else (feats,):
+        rows = []
+        for i in range(len(windows)):
+            begin, real = windows.offset(i), int(windows.lengths[i])
+            row = array[i, begin : begin + real]
+            rows.append(mx.pad(row, [(0, width - real), (0, 0)]))
+        out.append(mx.stack(rows))
+    mx.eval(out)
+    return out[0], (out[1] if final else None)
+
+
+def compute_features(plan: SmolPlan, target, windows: Windows, out_dir: Path, log: Callable[[str], None]) -> dict:
+    """The target's tapped features (and final-normed hidden state, for soft targets) of every
+    training window, from its whole prompt and answer (``window_features``), one
+    ``features_NNNNN.npz`` per batch in ``out_dir``; chunks of the same windows and taps are
+    kept. The trainer would need them before its first step; on disk a resumed training run does
+    not pay this pass again."""
     taps = list(plan.drafter_taps)
-    chunks = range(0, len(sequences), plan.batch_size)
+    chunks = range(0, len(windows), plan.batch_size)
     reused, seconds = 0, 0.0
     for index, start in enumerate(chunks):
-        tokens = sequences[start : start + plan.batch_size]
-        key = stage_key(tokens=hashlib.sha256(tokens.tobytes()).hexdigest(), taps=taps, target=plan.target)
+        part = windows[start : start + plan.batch_size]
+        key = stage_key(tokens=part.digest(), taps=taps, target=plan.target, recipe=FEATURES_RECIPE)
         path = out_dir / f"features_{index:05d}.npz"
         if _chunk_done(path, key):
             reused += 1
             continue
         t0 = time.perf_counter()
-        feats, final = TargetFeatures(target.runner, tokens, taps, budget=1 << 62, final=True).cached
+        feats, final = window_features(target.runner, part, taps, final=True)
         buffer = io.BytesIO()
-        np.savez(buffer, features=np.array(feats), final=np.array(final), key=np.array(key))
+        np.savez(buffer, features=np.array(feats), final=np.array(final), key=np.array(key), lengths=part.lengths)
         atomic_write_bytes(path, buffer.getvalue())
         dt = time.perf_counter() - t0
         seconds += dt
-        log(f"features: chunk {index + 1}/{len(chunks)} in {dt:.1f}s, {tokens.size / dt:.0f} tokens/s")
+        fed = sum(len(part.whole(i)) for i in range(len(part)))
+        log(f"features: chunk {index + 1}/{len(chunks)} in {dt:.1f}s, {fed / dt:.0f} tokens/s")
     return {"chunks": len(chunks), "chunks_reused": reused, "seconds_this_run": round(seconds, 1)}
 
 
-def load_features(plan: SmolPlan, target, sequences: np.ndarray, out_dir: Path, chunks: int):
-    """``TargetFeatures`` of ``sequences`` read back from ``compute_features``'s chunk files."""
+def load_features(plan: SmolPlan, target, windows: Windows, out_dir: Path, chunks: int):
+    """``TargetFeatures`` of ``windows`` read back from ``compute_features``'s chunk files."""
     import mlx.core as mx
 
     from dflash2_mlx.training.target_features import TargetFeatures
@@ -179,7 +306,7 @@ def load_features(plan: SmolPlan, target, sequences: np.ndarray, out_dir: Path, 
     features, final = mx.concatenate(feats), mx.concatenate(finals)
     del feats, finals
     mx.eval(features, final)
-    return TargetFeatures.from_arrays(target.runner, sequences, list(plan.drafter_taps), features, final)
+    return TargetFeatures.from_arrays(target.runner, windows.sequences, list(plan.drafter_taps), features, final)
 
 
 def drafter_bytes(drafter_dir: Path) -> int:
@@ -231,7 +358,7 @@ def save_untrained_drafter(plan: SmolPlan, target, out: Path) -> Path:
 def train(
     plan: SmolPlan,
     target,
-    sequences: np.ndarray,
+    windows: Windows,
     out_dir: Path,
     log: Callable[[str], None],
     progress: bool = False,
@@ -239,8 +366,8 @@ def train(
     stop_at_step: Optional[int] = None,
     draft_vocab: Optional[np.ndarray] = None,
 ) -> dict:
-    """Train (or resume training) the drafter in ``out_dir`` on ``sequences`` with soft targets
-    (``features``: the target's taps of ``sequences`` computed before, see ``load_features``;
+    """Train (or resume training) the drafter in ``out_dir`` on ``windows`` with soft targets
+    (``features``: the target's taps of the windows computed before, see ``load_features``;
     ``draft_vocab``: the token ids the drafter scores, trained on as it will draft)."""
     from dflash2_mlx.training.drafter_trainer import train_drafter
 
@@ -248,10 +375,11 @@ def train(
     t0 = time.perf_counter()
     train_drafter(
         target,
-        sequences,
+        windows.sequences,
         out_dir,
         cfg,
-        continuation_start=plan.context_len,
+        continuation_start=windows.starts,
+        lengths=windows.lengths,
         progress=progress,
         features=features,
         draft_vocab=draft_vocab,
