@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import random
 from collections import defaultdict
+from dataclasses import replace
 
 import mlx.core as mx
 import numpy as np
@@ -272,3 +273,39 @@ def test_the_server_tells_clients_apart_by_the_key_they_present():
     indexes.for_key(alice).add([1, 2, 3, 4])
     assert indexes.for_key(bob).longest_match([1, 2, 3], 1) is None
     assert indexes.for_key(alice).longest_match([1, 2, 3], 1).continuation == [4]
+
+
+def test_a_copy_the_grammar_refuses_is_cut_where_it_is_refused_and_output_stays_exact(tmp_path, hybrid_target):
+    """Under a JSON schema a copy is verified only up to the first token the grammar refuses, and
+    constrained speculative greedy output equals constrained plain greedy output."""
+    from dflash2_mlx.constraints.grammar import Grammar
+
+    tiny.write_tokenizer(tmp_path)
+    tokenizer = tiny.load_tokenizer(tmp_path)
+    schema = {
+        "type": "object",
+        "properties": {"name": {"type": "string", "maxLength": 6}, "n": {"type": "integer"}},
+        "required": ["name", "n"],
+        "additionalProperties": False,
+    }
+    grammar = Grammar.json_schema(schema, tokenizer, [tiny.EOS_ID])
+    cfg, model = hybrid_target
+    runner = TargetRunner(model)
+    prompt = [3, 40, 7]
+    settings = GenerationSettings(max_tokens=48, grammar=grammar, stop_token_ids=[tiny.EOS_ID])
+    plain = _tokens(generate_autoregressive(runner, prompt, settings))
+    # the comma after the name: a "}" there is refused (the schema requires "n")
+    comma = next(k for k in range(len(plain)) if tokenizer.decode(plain[: k + 1]).rstrip().endswith(","))
+    index = TokenIndex(source="shared")
+    index.add(prompt + plain)
+    index.add(prompt + plain[:comma] + tokenizer.encode("}}}}}}", add_special_tokens=False))  # latest: proposed first
+    drafter = tiny.build_drafter(tiny.drafter_config(cfg, version=2, block_size=8), seed=2)
+    policy = ScheduledBlocks([2], copies=[31])
+    events = list(generate_speculative(runner, drafter, prompt, replace(settings, policy=policy, copy_index=index)))
+    assert _tokens(events) == plain
+    ends, emitted = [], 0
+    for e in events:
+        if e.source == "copy":
+            ends.append(emitted + e.drafted)  # the answer position the copy's last draft stands at
+        emitted += len(e.tokens)
+    assert comma in ends  # a copy stopped right before the refused "}"
