@@ -3,7 +3,7 @@
     python benchmarks/smollm2_ablation.py --work WORK [--steps 700] [--variants base,layers1,block4]
                                           [--json out.json]
 
-``WORK`` is a SmolLM2 build's work directory (``training/build_smollm2_drafter.py``): its prompts,
+``WORK`` is a SmolLM2 build's work directory (``training/smollm2/build.py``): its prompts,
 continuations and features stages are reused (run there first if missing; the continuations are
 committed, so only the features pass runs on a fresh machine). Every variant is the full plan's
 drafter with one knob changed, trained for ``--steps`` steps on the same data, with the same seed,
@@ -42,13 +42,13 @@ VARIANTS = {
 def heldout_windows(build, path: Path):
     """The held-out prompts' greedy answers, each as the engine writes it alone (answered
     together by ``answer_prompts``, which equals that; stopped at the end token), in windows of
-    the build's shape (``smollm2_stages.make_windows``: the prompt's last ``context_len`` tokens,
+    the build's shape (``smollm2.stages.make_windows``: the prompt's last ``context_len`` tokens,
     no padding, then the answer) -> (windows, their answer ends for ``evaluate_drafter``)."""
     import numpy as np
 
-    from dflash2_mlx.training.smollm2_generation import answer_prompts
-    from dflash2_mlx.training.smollm2_prompts import read_prompt_set
-    from dflash2_mlx.training.smollm2_stages import Windows, make_windows
+    from dflash2_mlx.training.smollm2.generation import answer_prompts
+    from dflash2_mlx.training.smollm2.prompts import read_prompt_set
+    from dflash2_mlx.training.smollm2.stages import Windows, make_windows
 
     plan, tok = build.plan, build.target.tokenizer
     stops = sorted(tok.eos_token_ids)
@@ -90,12 +90,12 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
 
     from dflash2_mlx.models.loading import load_drafter
-    from dflash2_mlx.training.build_smollm2_drafter import Build
-    from dflash2_mlx.training.demo_plan import fix_threads
-    from dflash2_mlx.training.drafter_eval import evaluate_drafter
-    from dflash2_mlx.training.smollm2_plan import FULL
-    from dflash2_mlx.training.smollm2_stages import drafter_bytes, load_features, train, window_features
-    from dflash2_mlx.training.target_features import TargetFeatures
+    from dflash2_mlx.training.build_common import fix_threads
+    from dflash2_mlx.training.drafter.evaluation import evaluate_drafter
+    from dflash2_mlx.training.drafter.features import TargetFeatures
+    from dflash2_mlx.training.smollm2.build import Build
+    from dflash2_mlx.training.smollm2.plan import FULL
+    from dflash2_mlx.training.smollm2.stages import drafter_bytes, load_features, train, window_features
 
     fix_threads()
     build = Build(FULL, args.work, args.work / "unused-out")

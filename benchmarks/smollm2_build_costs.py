@@ -16,17 +16,17 @@ import tempfile
 import time
 from pathlib import Path
 
-from dflash2_mlx.training.demo_plan import fix_threads
+from dflash2_mlx.training.build_common import fix_threads
 
 fix_threads()
 
 import numpy as np  # noqa: E402
 
 from dflash2_mlx.models.loading import load_target  # noqa: E402
-from dflash2_mlx.training.smollm2_generation import answer_prompts  # noqa: E402
-from dflash2_mlx.training.smollm2_plan import FULL  # noqa: E402
-from dflash2_mlx.training.smollm2_stages import make_windows, train  # noqa: E402
-from dflash2_mlx.training.target_features import TargetFeatures  # noqa: E402
+from dflash2_mlx.training.drafter.features import TargetFeatures  # noqa: E402
+from dflash2_mlx.training.smollm2.generation import answer_prompts  # noqa: E402
+from dflash2_mlx.training.smollm2.plan import FULL  # noqa: E402
+from dflash2_mlx.training.smollm2.stages import make_windows, train  # noqa: E402
 
 
 def main() -> None:

@@ -12,7 +12,7 @@ import dflash2_mlx  # noqa: F401  (loads the BLAS before mlx.core)
 # isort: split
 import mlx.core as mx
 
-from dflash2_mlx.training.build_smollm2_drafter import COMMITTED_PROMPTS
+from dflash2_mlx.training.smollm2.build import COMMITTED_PROMPTS
 
 
 def load_cpu_pair(model: str, draft_model: str):
@@ -41,7 +41,7 @@ def heldout_prompts(path: Optional[Path] = None, limit: Optional[int] = None) ->
     """The held-out prompts as ``{"kind", "messages"}``: the committed prompt set's held-out split
     (30 prompts), or a ``bench --prompts`` file (the build's ``OUT/heldout_prompts.jsonl``: its
     lines carry no kind, so a line is given the kind of the committed prompt with its messages)."""
-    from dflash2_mlx.training.smollm2_prompts import read_prompt_set
+    from dflash2_mlx.training.smollm2.prompts import read_prompt_set
 
     committed = read_prompt_set(COMMITTED_PROMPTS, "heldout")
     if path is None:

@@ -15,8 +15,8 @@ from pathlib import Path
 
 import dflash2_mlx  # noqa: F401  (loads the BLAS before mlx.core)
 from dflash2_mlx.models.loading import load_target
-from dflash2_mlx.training.smollm2_plan import PLANS
-from dflash2_mlx.training.smollm2_stages import save_untrained_drafter
+from dflash2_mlx.training.smollm2.plan import PLANS
+from dflash2_mlx.training.smollm2.stages import save_untrained_drafter
 
 
 def main() -> None:

@@ -1,6 +1,6 @@
 """A stand-in for the SmolLM2 drafter the package ships (``dflash2_mlx/assets/smollm2-drafter``):
-untrained, made by the project's own trainer init code (``training/drafter_init.py``) with the
-build plan's drafter settings (``training/smollm2_plan.py`` FULL: 2 layers, block 8, taps 7 and 22,
+untrained, made by the project's own trainer init code (``training/drafter/initialise.py``) with the
+build plan's drafter settings (``training/smollm2/plan.py`` FULL: 2 layers, block 8, taps 7 and 22,
 mask id 16, selector rank 16), in the shipped layout (config.json, model.safetensors,
 MANIFEST.json, README.md). Written to a temporary directory, never into the package.
 
@@ -18,13 +18,13 @@ import mlx.core as mx
 from mlx.utils import tree_flatten
 
 from dflash2_mlx.models import gguf, named
-from dflash2_mlx.training.drafter_init import init_drafter, make_drafter_config
-from dflash2_mlx.training.drafter_training_config import DrafterTrainingConfig
-from dflash2_mlx.training.smollm2_plan import FULL
+from dflash2_mlx.training.drafter.config import DrafterTrainingConfig
+from dflash2_mlx.training.drafter.initialise import init_drafter, make_drafter_config
+from dflash2_mlx.training.smollm2.plan import FULL
 
 
 def training_config(plan=FULL) -> DrafterTrainingConfig:
-    """The drafter settings of the SmolLM2 build (as ``smollm2_stages.train`` makes them)."""
+    """The drafter settings of the SmolLM2 build (as ``smollm2.stages.train`` makes them)."""
     return DrafterTrainingConfig(
         block_size=plan.drafter_block_size,
         layers=plan.drafter_layers,

@@ -19,7 +19,7 @@ from smollm2_standin import write_standin_drafter
 from dflash2_mlx import assets
 from dflash2_mlx.cli import common
 from dflash2_mlx.models import memory, named
-from dflash2_mlx.training.smollm2_plan import FULL
+from dflash2_mlx.training.smollm2.plan import FULL
 
 
 @pytest.fixture(scope="session")

@@ -25,7 +25,12 @@ from dflash2_mlx.decoding.types import GenerationSettings
 from dflash2_mlx.models.drafter_config import ConfigError
 from dflash2_mlx.models.loading import LoadError, load_drafter
 from dflash2_mlx.models.target import TargetRunner
-from dflash2_mlx.training.draft_vocab import choose_draft_vocab, continuation_token_counts, coverage, write_draft_vocab
+from dflash2_mlx.training.drafter.draft_vocab import (
+    choose_draft_vocab,
+    continuation_token_counts,
+    coverage,
+    write_draft_vocab,
+)
 
 
 def _tokens(events):

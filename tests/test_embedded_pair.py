@@ -15,8 +15,8 @@ from dflash2_mlx.decoding.output import collect
 from dflash2_mlx.decoding.speculative import generate_speculative
 from dflash2_mlx.decoding.types import GenerationSettings
 from dflash2_mlx.models.loading import load_drafter, load_target
-from dflash2_mlx.training.demo_metrics import repetition_rate
-from dflash2_mlx.training.demo_plan import CHECKED_FILES
+from dflash2_mlx.training.demo_pair.plan import CHECKED_FILES
+from dflash2_mlx.training.metrics import repetition_rate
 
 MAX_TOKENS = 48
 

@@ -9,7 +9,7 @@ import json
 import pytest
 
 from dflash2_mlx import assets
-from dflash2_mlx.training import tokenizer as tk
+from dflash2_mlx.training.demo_pair import tokenizer as tk
 
 TOOLS = [
     {

@@ -22,7 +22,8 @@ def test_sha256_file_is_the_sha256_of_the_whole_file_across_read_chunks(tmp_path
 def test_training_the_demo_build_and_the_prompt_cache_hash_files_with_the_shared_function():
     from dflash2_mlx.caches import disk as disk_cache
     from dflash2_mlx.cli import train
-    from dflash2_mlx.training import build_demo_pair, drafter_checkpoint
+    from dflash2_mlx.training.demo_pair import build as build_demo_pair
+    from dflash2_mlx.training.drafter import checkpoint as drafter_checkpoint
 
     for module in (build_demo_pair, drafter_checkpoint, train, disk_cache):
         assert module.sha256_file is sha256_file, module.__name__

@@ -278,8 +278,8 @@ def test_smollm2_greedy_speculative_output_equals_plain_with_the_plans_untrained
     untrained drafter is rarely accepted, so the same drafter's weights also run as an oracle that
     accepts 7, 0, 3 and 5 drafts in its first cycles (KV trim after every accepted count kind)."""
     from dflash2_mlx.models.loading import load_drafter, validate_pair
-    from dflash2_mlx.training.smollm2_plan import FULL
-    from dflash2_mlx.training.smollm2_stages import save_untrained_drafter
+    from dflash2_mlx.training.smollm2.plan import FULL
+    from dflash2_mlx.training.smollm2.stages import save_untrained_drafter
 
     drafter = load_drafter(str(save_untrained_drafter(FULL, smollm2, tmp_path / "drafter")))
     validate_pair(smollm2.runner, drafter.config, smollm2.name)

@@ -9,11 +9,11 @@ import numpy as np
 import pytest
 from test_gguf import write_tiny_gguf
 
-from dflash2_mlx.training.build_smollm2_drafter import COMMITTED_PROMPTS, Build, StagePaused
-from dflash2_mlx.training.smollm2_generation import answer_prompts
-from dflash2_mlx.training.smollm2_plan import FULL, STAGES, TINY, StageRecord
-from dflash2_mlx.training.smollm2_prompts import KINDS, fold, question_in, read_prompt_set
-from dflash2_mlx.training.smollm2_stages import load_sequences, load_windows, make_windows, window_features
+from dflash2_mlx.training.smollm2.build import COMMITTED_PROMPTS, Build, StagePaused
+from dflash2_mlx.training.smollm2.generation import answer_prompts
+from dflash2_mlx.training.smollm2.plan import FULL, STAGES, TINY, StageRecord
+from dflash2_mlx.training.smollm2.prompts import KINDS, fold, question_in, read_prompt_set
+from dflash2_mlx.training.smollm2.stages import load_sequences, load_windows, make_windows, window_features
 
 
 @pytest.fixture(scope="module")
@@ -146,7 +146,7 @@ def test_training_windows_are_the_prompt_tail_then_the_answer_stopped_at_its_end
 def test_a_chunk_made_before_issue_40_is_never_reused(tiny_build, tmp_path):
     """The committed chunks of the left-padded recipe have no lengths: a chunk file of that
     layout is generated again even if its key matched."""
-    import dflash2_mlx.training.smollm2_stages as stages
+    import dflash2_mlx.training.smollm2.stages as stages
 
     plan, work, _, _ = tiny_build
     chunk = sorted((work / "continuations" / "greedy").glob("chunk_*.npz"))[0]
@@ -231,8 +231,8 @@ def test_a_fresh_full_build_reuses_the_committed_prompt_set_without_running_the_
 
 
 def test_committed_continuation_chunks_are_copied_instead_of_generated(tiny_build, tmp_path, monkeypatch):
-    import dflash2_mlx.training.build_smollm2_drafter as build_module
-    import dflash2_mlx.training.smollm2_stages as stages
+    import dflash2_mlx.training.smollm2.build as build_module
+    import dflash2_mlx.training.smollm2.stages as stages
 
     plan, work, out, records = tiny_build
     committed = tmp_path / "committed"

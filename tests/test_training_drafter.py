@@ -19,8 +19,7 @@ from safetensors.numpy import load_file
 from dflash2_mlx.models.drafter_config import DFLASH1, DFLASH2
 from dflash2_mlx.models.loading import load_drafter, load_target
 from dflash2_mlx.models.selector import top_k_candidates
-from dflash2_mlx.training.data import generate_training_sequences, sample_windows
-from dflash2_mlx.training.drafter_batches import (
+from dflash2_mlx.training.drafter.batches import (
     anchor_range,
     answer_ends,
     batch_indices,
@@ -28,12 +27,13 @@ from dflash2_mlx.training.drafter_batches import (
     loss_weights,
     sample_anchors,
 )
-from dflash2_mlx.training.drafter_checkpoint import STATE_DIR, load_checkpoint_state
-from dflash2_mlx.training.drafter_eval import evaluate_drafter, greedy_walk_correct, simulated_cycles
-from dflash2_mlx.training.drafter_init import default_target_layer_ids, init_drafter, make_drafter_config
-from dflash2_mlx.training.drafter_loss import drafter_head, drafter_loss, forward_blocks
-from dflash2_mlx.training.drafter_trainer import train_drafter
-from dflash2_mlx.training.drafter_training_config import DrafterTrainingConfig
+from dflash2_mlx.training.drafter.checkpoint import STATE_DIR, load_checkpoint_state
+from dflash2_mlx.training.drafter.config import DrafterTrainingConfig
+from dflash2_mlx.training.drafter.data import generate_training_sequences, sample_windows
+from dflash2_mlx.training.drafter.evaluation import evaluate_drafter, greedy_walk_correct, simulated_cycles
+from dflash2_mlx.training.drafter.initialise import default_target_layer_ids, init_drafter, make_drafter_config
+from dflash2_mlx.training.drafter.loss import drafter_head, drafter_loss, forward_blocks
+from dflash2_mlx.training.drafter.trainer import train_drafter
 
 PREFIX, CONT, B = 12, 28, 8
 
@@ -302,8 +302,8 @@ def test_soft_targets_mix_the_targets_distribution_into_each_rows_cross_entropy(
 
 def test_block_target_logits_are_the_targets_prediction_of_each_rows_label(target, sequences):
     """On greedy continuations the target's argmax at row i's position is row i's label."""
-    from dflash2_mlx.training.drafter_loss import block_target_logits
-    from dflash2_mlx.training.target_features import TargetFeatures
+    from dflash2_mlx.training.drafter.features import TargetFeatures
+    from dflash2_mlx.training.drafter.loss import block_target_logits
 
     runner = target.runner
     feats, final = TargetFeatures(runner, sequences, [0], 1 << 30, final=True)(np.arange(len(sequences)))
@@ -448,7 +448,7 @@ def test_identity_convs_compute_exactly_a_drafter_without_them(target, sequences
     """The "no convs" ablation (frozen identity convs) is bit for bit a convless drafter."""
     config = small_config(convs=False)
     v2 = _randomized(target, config)
-    from dflash2_mlx.training.drafter_init import _reset_convs
+    from dflash2_mlx.training.drafter.initialise import _reset_convs
 
     _reset_convs(v2)
     v1_config = make_drafter_config(target, small_config(convs=False, selector=False))
@@ -468,7 +468,7 @@ def test_identity_convs_compute_exactly_a_drafter_without_them(target, sequences
 def test_zero_selector_walk_is_the_per_row_argmax(target):
     config = small_config(selector=False)
     drafter = _randomized(target, config)
-    from dflash2_mlx.training.drafter_init import _zero_selector
+    from dflash2_mlx.training.drafter.initialise import _zero_selector
 
     _zero_selector(drafter)
     rng = np.random.default_rng(4)
@@ -698,7 +698,7 @@ def test_features_computed_per_step_train_the_same_drafter(target, sequences, tr
 
 def test_features_kept_from_before_train_bit_for_bit_the_same_drafter(target, sequences, trained, tmp_path):
     """A staged build keeps the target's features on disk and hands them to the trainer."""
-    from dflash2_mlx.training.target_features import TargetFeatures
+    from dflash2_mlx.training.drafter.features import TargetFeatures
 
     taps = json.loads((trained / "config.json").read_text())["dflash_config"]["target_layer_ids"]
     feats, _ = TargetFeatures(target.runner, sequences, taps, budget=1 << 40).cached

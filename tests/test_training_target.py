@@ -17,9 +17,13 @@ import dflash2_mlx  # noqa: F401  (OpenBLAS before mlx.core, when this file runs
 import mlx.core as mx
 import pytest
 
-from dflash2_mlx.training import corpus, demo_metrics, demo_plan, demo_stages
-from dflash2_mlx.training import target_trainer as tt
-from dflash2_mlx.training import tokenizer as tk
+from dflash2_mlx.training import corpus
+from dflash2_mlx.training import metrics as demo_metrics
+from dflash2_mlx.training.build_common import Log
+from dflash2_mlx.training.demo_pair import plan as demo_plan
+from dflash2_mlx.training.demo_pair import stages as demo_stages
+from dflash2_mlx.training.demo_pair import target_trainer as tt
+from dflash2_mlx.training.demo_pair import tokenizer as tk
 
 # ---------------------------------------------------------------------------------------------
 # Corpus
@@ -170,7 +174,8 @@ def test_json_examples_describe_public_functions_in_the_grammars_own_json():
 _TRAIN_SCRIPT = """
 import sys
 from pathlib import Path
-from dflash2_mlx.training import corpus, tokenizer
+from dflash2_mlx.training import corpus
+from dflash2_mlx.training.demo_pair import tokenizer
 files = [f for f in corpus.load_corpus(limit=40) if not f.held_out]
 tok = tokenizer.train_tokenizer([f.text for f in files], vocab_size=400)
 tokenizer.save_tokenizer(tok, Path(sys.argv[1]))
@@ -372,7 +377,7 @@ def test_the_ablation_trains_on_the_builds_own_drafter_data_and_caches_it(tmp_pa
     continuations of the embedded target), generated once per work directory."""
     from dflash2_mlx.assets import demo_target_path
     from dflash2_mlx.models.loading import load_target
-    from dflash2_mlx.training import ablation
+    from dflash2_mlx.training.demo_pair import ablation
 
     # Tokenizing the whole corpus is most of this test's time and gives the same documents both
     # times (the tokenizer is deterministic): the second call reuses the first call's.
@@ -387,11 +392,11 @@ def test_the_ablation_trains_on_the_builds_own_drafter_data_and_caches_it(tmp_pa
     monkeypatch.setattr(demo_stages, "build_documents", documents_once)
     plan = demo_plan.QUICK
     target = load_target(str(demo_target_path()))
-    seqs, prompts = ablation.training_data(plan, target, tmp_path, demo_plan.Log())
+    seqs, prompts = ablation.training_data(plan, target, tmp_path, Log())
     assert seqs.shape == (
         plan.drafter_sequences + plan.drafter_sampled_sequences,
         plan.prefix_len + plan.continuation_len,
     )
     assert len(prompts) == plan.num_prompts
-    again, _ = ablation.training_data(plan, target, tmp_path, demo_plan.Log())
+    again, _ = ablation.training_data(plan, target, tmp_path, Log())
     assert (again == seqs).all() and len(list(tmp_path.glob("drafter_data_*.npy"))) == 1

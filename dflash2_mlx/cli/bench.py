@@ -26,7 +26,7 @@ from dflash2_mlx.cli.common import (
     sources_line,
 )
 
-# the held-out prompts a drafter build writes beside the drafter (training/build_smollm2_drafter.py)
+# the held-out prompts a drafter build writes beside the drafter (training/smollm2/build.py)
 HELDOUT_FILE = "heldout_prompts.jsonl"
 
 

@@ -106,8 +106,8 @@ def _load_or_generate_sequences(
     """The target-generated sequences, cached in out/training_state so that a resumed run reuses them."""
     import numpy as np
 
-    from dflash2_mlx.training.data import generate_training_sequences
-    from dflash2_mlx.training.drafter_checkpoint import STATE_DIR
+    from dflash2_mlx.training.drafter.checkpoint import STATE_DIR
+    from dflash2_mlx.training.drafter.data import generate_training_sequences
 
     key = {
         "target": target.name,
@@ -207,9 +207,9 @@ def train_drafter_command(
 ) -> None:
     """Train a DFlash 2 drafter (DFlash 1 with --no-convs --no-selector) on the target's own greedy continuations."""
     from dflash2_mlx.models.loading import load_target
-    from dflash2_mlx.training.drafter_checkpoint import load_checkpoint_state
-    from dflash2_mlx.training.drafter_trainer import train_drafter
-    from dflash2_mlx.training.drafter_training_config import DrafterTrainingConfig
+    from dflash2_mlx.training.drafter.checkpoint import load_checkpoint_state
+    from dflash2_mlx.training.drafter.config import DrafterTrainingConfig
+    from dflash2_mlx.training.drafter.trainer import train_drafter
 
     config = DrafterTrainingConfig(
         block_size=block_size,
@@ -287,8 +287,8 @@ def train_drafter_command(
     summary = f"drafter written to {out} after {state.get('step', '?')} steps"
     if held:
         from dflash2_mlx.models.loading import load_drafter
-        from dflash2_mlx.training.drafter_checkpoint import STATE_DIR
-        from dflash2_mlx.training.drafter_eval import evaluate_drafter
+        from dflash2_mlx.training.drafter.checkpoint import STATE_DIR
+        from dflash2_mlx.training.drafter.evaluation import evaluate_drafter
 
         metrics = evaluate_drafter(target, load_drafter(str(out)), sequences[:held], continuation_start=prefix_len)
         (out / STATE_DIR / "eval.json").write_text(json.dumps({"held_out_sequences": held, **metrics}, indent=2))

@@ -1,17 +1,15 @@
-"""Training code for the embedded tiny demo pair (``python -m dflash2_mlx.training.build_demo_pair``).
+"""Training code, by job; none of it is needed at run time (importing ``dflash2_mlx`` does not
+import it).
 
-- ``corpus``: the Python standard library's own source as a deterministic train / held-out split.
-- ``tokenizer``: a byte-level BPE tokenizer with a ChatML template, in the Hugging Face layout.
-- ``target_trainer``: the tiny Qwen3.5-architecture hybrid target (mlx-lm ``qwen3_5``).
-- ``data`` / ``drafter_trainer``: the DFlash 2 drafter trained on the target's own continuations;
-  the trainer's pieces are ``drafter_training_config`` (settings), ``drafter_init`` (config and
-  initialisation), ``drafter_batches`` (one step's seeded data), ``target_features`` (the frozen
-  target's taps), ``drafter_loss``, ``drafter_eval`` (held-out acceptance), ``drafter_checkpoint``
-  (save and resume) and ``drafter_schedule`` (learning rate, progress line).
-- ``build_demo_pair``: the one command that rebuilds ``dflash2_mlx/assets/`` from scratch, from
-  ``demo_plan`` (the recipes), ``demo_stages`` (corpus, tokenizer, documents, target, drafter),
-  ``demo_evaluation`` with ``demo_metrics`` (acceptance, repetition, the prompt-lookup baseline)
-  and ``demo_cards`` (READMEs, model card, summary from MANIFEST.json).
+- ``drafter/``: the DFlash 2 drafter trainer and its data (``dflash2-mlx train-drafter``, and
+  both builds below);
+- ``demo_pair/``: the embedded tiny demo pair's build
+  (``python -m dflash2_mlx.training.build_demo_pair``, an entry module kept at that path);
+- ``smollm2/``: the SmolLM2 drafter's staged build
+  (``python -m dflash2_mlx.training.build_smollm2_drafter``, likewise).
 
-None of this is needed at run time; importing ``dflash2_mlx`` does not import it.
+Shared by both builds: ``corpus`` (the Python standard library's own source as a deterministic
+train / held-out split), ``evaluation`` with ``metrics`` (a pair's acceptance, identical-output
+check, repetition and the prompt-lookup baseline on held-out prompts) and ``build_common`` (the
+pinned BLAS thread count, the build's log).
 """

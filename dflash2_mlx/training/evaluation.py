@@ -12,8 +12,8 @@ import json
 from pathlib import Path
 from typing import Optional
 
-from dflash2_mlx.training.demo_metrics import prompt_lookup_acceptance, repetition_rate
-from dflash2_mlx.training.demo_plan import BuildPlan, Log
+from dflash2_mlx.training.build_common import Log
+from dflash2_mlx.training.metrics import prompt_lookup_acceptance, repetition_rate
 
 __all__ = [
     "CHAT_PROMPTS",
@@ -22,7 +22,9 @@ __all__ = [
 ]
 
 
-def evaluate(plan: BuildPlan, target_dir: Path, drafter_dir: Optional[Path], prompts: list[dict], log: Log) -> dict:
+def evaluate(plan, target_dir: Path, drafter_dir: Optional[Path], prompts: list[dict], log: Log) -> dict:
+    """The pair on held-out ``prompts``; ``plan`` is a build's plan (the demo pair's ``BuildPlan``
+    or SmolLM2's ``SmolPlan``): its eval_max_tokens, drafter_block_size, sample_temperature, seed."""
     from dflash2_mlx.decoding.autoregressive import generate_autoregressive
     from dflash2_mlx.decoding.output import collect
     from dflash2_mlx.decoding.sampling import SamplingSettings

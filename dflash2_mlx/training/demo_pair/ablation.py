@@ -1,6 +1,6 @@
 """The tiny-scale ablation of DFlash 2's parts: four drafters at an equal training budget.
 
-    python -m dflash2_mlx.training.ablation --steps 800 --json docs/results/ablation.json
+    python -m dflash2_mlx.training.demo_pair.ablation --steps 800 --json docs/results/ablation.json
 
 Variants, each trained from the same initialisation seed on the same data (the embedded target's
 own greedy and sampled continuations, generated exactly as the demo build does, with its soft
@@ -43,7 +43,7 @@ def training_data(plan, target, work: Path, log) -> tuple[np.ndarray, list[dict]
     """The demo build's drafter data and held-out prompts (cached in ``work``: generation takes minutes)."""
     from dflash2_mlx.backend.files import sha256_file
     from dflash2_mlx.training import corpus as corpus_mod
-    from dflash2_mlx.training import demo_stages as stages
+    from dflash2_mlx.training.demo_pair import stages
 
     files, train, held = stages.build_corpus(plan, log)
     tok = stages.build_tokenizer(plan, train, work / "tokenizer", log)
@@ -138,7 +138,9 @@ def markdown_table(result: dict) -> str:
 
 
 def main(argv: Optional[list[str]] = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m dflash2_mlx.training.ablation", description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(
+        prog="python -m dflash2_mlx.training.demo_pair.ablation", description=__doc__.split("\n\n")[0]
+    )
     ap.add_argument("--steps", type=int, default=800, help="training steps per variant (the equal budget)")
     ap.add_argument("--work", type=Path, default=None, help="keep the data and the four drafters here")
     ap.add_argument("--json", type=Path, default=None, help="write the results here")
@@ -147,13 +149,14 @@ def main(argv: Optional[list[str]] = None) -> int:
 
     from dflash2_mlx.assets import demo_target_path
     from dflash2_mlx.models.loading import load_target
-    from dflash2_mlx.training import demo_plan
-    from dflash2_mlx.training.drafter_trainer import train_drafter
-    from dflash2_mlx.training.drafter_training_config import DrafterTrainingConfig
+    from dflash2_mlx.training.build_common import Log, fix_threads
+    from dflash2_mlx.training.demo_pair import plan as demo_plan
+    from dflash2_mlx.training.drafter.config import DrafterTrainingConfig
+    from dflash2_mlx.training.drafter.trainer import train_drafter
 
     plan = demo_plan.FULL
-    log = demo_plan.Log()
-    demo_plan.fix_threads()
+    log = Log()
+    fix_threads()
     work = args.work or Path(tempfile.mkdtemp(prefix="dflash2-ablation-"))
     work.mkdir(parents=True, exist_ok=True)
     target = load_target(str(demo_target_path()))
@@ -166,7 +169,8 @@ def main(argv: Optional[list[str]] = None) -> int:
         "prompts": len(prompts),
         "max_tokens": max_tokens,
         "temperature": 0.0,
-        "command": "python -m dflash2_mlx.training.ablation " + " ".join(argv if argv is not None else sys.argv[1:]),
+        "command": "python -m dflash2_mlx.training.demo_pair.ablation "
+        + " ".join(argv if argv is not None else sys.argv[1:]),
         "variants": [],
     }
     reference = None

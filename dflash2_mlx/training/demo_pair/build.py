@@ -18,8 +18,9 @@ command on the same machine kind reproduces the committed weights bit for bit (`
 
 This module is the command line and the orchestration (stages in order, a finished target reused
 from a kept ``--work``, the assets directory and its manifest, ``--verify`` and ``--check``). The
-recipes are in ``demo_plan``, the stages in ``demo_stages``, the measurements in
-``demo_evaluation`` and ``demo_metrics``, the READMEs and the model card in ``demo_cards``.
+recipes are in ``plan``, the stages in ``stages``, the measurements in ``training/evaluation.py``
+and ``training/metrics.py`` (shared with the SmolLM2 build), the READMEs and the model card in
+``cards``. ``python -m dflash2_mlx.training.build_demo_pair`` runs it (an entry module).
 """
 
 from __future__ import annotations
@@ -42,27 +43,24 @@ import numpy as np
 from dflash2_mlx.backend import blas as _blas  # OpenBLAS before mlx.core
 from dflash2_mlx.backend.files import read_jsonl, sha256_file
 from dflash2_mlx.training import corpus as corpus_mod
-from dflash2_mlx.training import tokenizer as tok_mod
-from dflash2_mlx.training.demo_cards import drafter_readme, model_card, summary, target_readme
-from dflash2_mlx.training.demo_evaluation import evaluate, evaluate_defaults
-from dflash2_mlx.training.demo_plan import (
-    CHECKED_FILES,
-    DRAFTER_DIR,
-    FULL,
-    PREVIOUS,
-    QUICK,
-    TARGET_DIR,
-    BuildPlan,
-    Log,
-    fix_threads,
+from dflash2_mlx.training.build_common import Log, fix_threads
+from dflash2_mlx.training.demo_pair import tokenizer as tok_mod
+from dflash2_mlx.training.demo_pair.cards import drafter_readme, model_card, summary, target_readme
+from dflash2_mlx.training.demo_pair.plan import CHECKED_FILES, DRAFTER_DIR, FULL, PREVIOUS, QUICK, TARGET_DIR, BuildPlan
+from dflash2_mlx.training.demo_pair.stages import (
+    build_corpus,
+    build_documents,
+    build_drafter,
+    build_target,
+    build_tokenizer,
 )
-from dflash2_mlx.training.demo_stages import build_corpus, build_documents, build_drafter, build_target, build_tokenizer
+from dflash2_mlx.training.evaluation import evaluate, evaluate_defaults
 
 __all__ = ["build", "check", "main", "record_defaults", "verify"]
 
 
 def default_assets_dir() -> Path:
-    return Path(__file__).resolve().parent.parent / "assets"
+    return Path(__file__).resolve().parents[2] / "assets"
 
 
 def build(plan: BuildPlan, out: Path, work: Path, target_only: bool = False) -> dict:

@@ -6,7 +6,7 @@ The two READMEs shipped with the assets, the markdown model card of docs/embedde
 
 from __future__ import annotations
 
-from dflash2_mlx.training.demo_plan import CHAT_DEFAULTS, DRAFTER_DIR, TARGET_DIR
+from dflash2_mlx.training.demo_pair.plan import CHAT_DEFAULTS, DRAFTER_DIR, TARGET_DIR
 
 __all__ = [
     "drafter_readme",

@@ -2,19 +2,15 @@
 
 ``BuildPlan`` holds every knob of a build (``FULL`` is the committed pair, ``PREVIOUS`` the
 recipe before it, ``QUICK`` a smoke test); beside it the assets' directory names and checked
-files, the chat defaults written to the target's generation_config.json, the pinned BLAS thread
-count, the build's timestamped log and the sha256 of a file.
+files and the chat defaults written to the target's generation_config.json (the pinned BLAS
+thread count and the build's log are ``training/build_common.py``, shared with the SmolLM2 build).
 """
 
 from __future__ import annotations
 
 import dataclasses
-import sys
-import time
 from dataclasses import dataclass, field
 from typing import Optional
-
-from dflash2_mlx.backend import blas as _blas  # OpenBLAS before mlx.core
 
 __all__ = [
     "BuildPlan",
@@ -22,17 +18,13 @@ __all__ = [
     "CHECKED_FILES",
     "DRAFTER_DIR",
     "FULL",
-    "Log",
     "PREVIOUS",
     "QUICK",
     "TARGET_DIR",
-    "THREADS",
-    "fix_threads",
     "generation_config",
 ]
 
 
-THREADS = 2
 TARGET_DIR = "tiny-code-demo-target"
 DRAFTER_DIR = "tiny-code-demo-drafter"
 
@@ -126,21 +118,6 @@ QUICK = dataclasses.replace(
     num_prompts=4,
     eval_max_tokens=32,
 )
-
-
-def fix_threads(n: int = THREADS) -> str:
-    """Pin the BLAS to the build's thread count; says what runs (recorded in MANIFEST)."""
-    return _blas.set_threads(n)
-
-
-class Log:
-    """The build's log: each message on stderr with the seconds since the log was made."""
-
-    def __init__(self):
-        self.t0 = time.perf_counter()
-
-    def __call__(self, msg: str) -> None:
-        print(f"[{time.perf_counter() - self.t0:7.1f}s] {msg}", file=sys.stderr, flush=True)
 
 
 # What `chat` and the server use for the demo pair when the user sets nothing

@@ -21,8 +21,9 @@ os.environ.setdefault("RAYON_NUM_THREADS", "2")  # the tokenizers trainer; merge
 import numpy as np  # noqa: E402
 
 from dflash2_mlx.training import corpus as corpus_mod  # noqa: E402
-from dflash2_mlx.training import tokenizer as tok_mod  # noqa: E402
-from dflash2_mlx.training.demo_plan import DRAFTER_DIR, BuildPlan, Log, generation_config  # noqa: E402
+from dflash2_mlx.training.build_common import Log  # noqa: E402
+from dflash2_mlx.training.demo_pair import tokenizer as tok_mod  # noqa: E402
+from dflash2_mlx.training.demo_pair.plan import DRAFTER_DIR, BuildPlan, generation_config  # noqa: E402
 
 __all__ = [
     "build_corpus",
@@ -85,7 +86,7 @@ def build_documents(plan: BuildPlan, tok, train, held, log: Log):
 
 
 def build_target(plan: BuildPlan, tok, docs, held_docs, tok_dir: Path, out_dir: Path, log: Log) -> dict:
-    from dflash2_mlx.training import target_trainer as tt
+    from dflash2_mlx.training.demo_pair import target_trainer as tt
 
     eos = tok.token_to_id(tok_mod.EOS)
     im_end = tok.token_to_id(tok_mod.IM_END)
@@ -137,7 +138,7 @@ def build_target(plan: BuildPlan, tok, docs, held_docs, tok_dir: Path, out_dir: 
 def drafter_data(plan: BuildPlan, target, docs) -> np.ndarray:
     """The drafter's training sequences [N, prefix_len + continuation_len]: corpus prefixes with
     the target's greedy continuations (seed plan.seed + 1), then sampled ones (plan.seed + 2)."""
-    from dflash2_mlx.training.data import generate_training_sequences
+    from dflash2_mlx.training.drafter.data import generate_training_sequences
 
     seqs = generate_training_sequences(
         target,
@@ -163,8 +164,8 @@ def drafter_data(plan: BuildPlan, target, docs) -> np.ndarray:
 
 def build_drafter(plan: BuildPlan, target, docs, work: Path, log: Log) -> dict:
     try:
-        from dflash2_mlx.training.drafter_trainer import train_drafter
-        from dflash2_mlx.training.drafter_training_config import DrafterTrainingConfig
+        from dflash2_mlx.training.drafter.config import DrafterTrainingConfig
+        from dflash2_mlx.training.drafter.trainer import train_drafter
     except ImportError as e:
         raise SystemExit(
             f"the drafter trainer is not available ({e}); the target is built, the drafter is not"

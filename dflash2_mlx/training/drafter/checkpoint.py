@@ -22,7 +22,7 @@ from mlx.utils import tree_flatten, tree_unflatten
 
 from dflash2_mlx.backend.files import sha256_file
 from dflash2_mlx.models.drafter import DRAFT_VOCAB_KEY, Drafter
-from dflash2_mlx.training.drafter_training_config import DrafterTrainingConfig
+from dflash2_mlx.training.drafter.config import DrafterTrainingConfig
 
 __all__ = [
     "STATE_DIR",

@@ -24,7 +24,7 @@ DEFAULT_STEPS = 1000
 
 @dataclass
 class DrafterTrainingConfig:
-    """Every knob of a drafter training run (defaults: the recipe in ``drafter_trainer``)."""
+    """Every knob of a drafter training run (defaults: the recipe in ``trainer``)."""
 
     # architecture
     block_size: int = 8

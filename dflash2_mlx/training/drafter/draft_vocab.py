@@ -9,7 +9,8 @@ The ids: every token of the target's own continuations (the drafter's training d
 held-out prompts), most frequent first, then the lowest ids not yet taken (BPE merges are ranked
 by frequency, and the special tokens come first) until ``size``.
 
-    python -m dflash2_mlx.training.draft_vocab DRAFTER_DIR --continuations WORK/continuations --start 64 --size 8192
+    python -m dflash2_mlx.training.drafter.draft_vocab DRAFTER_DIR --continuations WORK/continuations \
+        --start 64 --size 8192
 
 rewrites DRAFTER_DIR's model.safetensors (with a ``draft_vocab`` tensor), config.json
 (``dflash_config.draft_vocab_size``) and MANIFEST.json (the files' digests and the coverage).

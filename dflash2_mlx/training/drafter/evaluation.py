@@ -14,9 +14,9 @@ import numpy as np
 
 from dflash2_mlx.models.drafter import Drafter
 from dflash2_mlx.models.selector import top_k_candidates
-from dflash2_mlx.training.drafter_batches import anchor_range, block_arrays, loss_weights, per_sequence
-from dflash2_mlx.training.drafter_loss import drafter_head, drafter_loss, forward_blocks, leading_run, selector_scores
-from dflash2_mlx.training.drafter_training_config import DrafterTrainingConfig
+from dflash2_mlx.training.drafter.batches import anchor_range, block_arrays, loss_weights, per_sequence
+from dflash2_mlx.training.drafter.config import DrafterTrainingConfig
+from dflash2_mlx.training.drafter.loss import drafter_head, drafter_loss, forward_blocks, leading_run, selector_scores
 
 __all__ = [
     "evaluate_drafter",

@@ -18,7 +18,7 @@ from mlx.utils import tree_flatten
 
 from dflash2_mlx.models.drafter import Drafter
 from dflash2_mlx.models.drafter_config import DFLASH1, DFLASH2, DrafterConfig, build_target_layer_ids
-from dflash2_mlx.training.drafter_training_config import DrafterTrainingConfig
+from dflash2_mlx.training.drafter.config import DrafterTrainingConfig
 
 __all__ = [
     "MASK_TOKEN",

@@ -16,7 +16,7 @@ import numpy as np
 
 from dflash2_mlx.models.drafter import Drafter
 from dflash2_mlx.models.selector import top_k_candidates
-from dflash2_mlx.training.drafter_training_config import DrafterTrainingConfig
+from dflash2_mlx.training.drafter.config import DrafterTrainingConfig
 
 __all__ = [
     "block_target_logits",
@@ -102,7 +102,7 @@ def drafter_loss(
     outside it (no cross-entropy, never right: such a token can never be drafted).
 
     ``valid`` [M, B-1] (bool): the rows to train on; a row whose label lies after its answer's
-    end token (``drafter_batches.label_mask``) counts in no loss and is never right. None: all.
+    end token (``batches.label_mask``) counts in no loss and is never right. None: all.
 
     metrics: ce, sel (selector loss), acc (drafter top-1), sel_acc (selector top-1 with the true
     predecessor), hit (label within the top-k: the rows the selector loss counts), tau / tau_top1

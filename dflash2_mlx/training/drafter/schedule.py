@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import math
 
-from dflash2_mlx.training.drafter_training_config import DrafterTrainingConfig
+from dflash2_mlx.training.drafter.config import DrafterTrainingConfig
 
 __all__ = [
     "format_progress",

@@ -1,10 +1,9 @@
 """Train a DFlash 2 (or DFlash 1) drafter against a frozen target, with the DFlash recipe.
 
 This module holds ``train_drafter``, the training loop. Its pieces live beside it, one job each:
-``drafter_training_config`` (the settings), ``drafter_init`` (the drafter's config and
-initialisation), ``drafter_batches`` (one step's seeded data), ``target_features`` (the frozen
-target's taps), ``drafter_loss``, ``drafter_checkpoint`` (save and resume), ``drafter_schedule``
-(learning rate, progress line) and ``drafter_eval`` (held-out acceptance).
+``config`` (the settings), ``initialise`` (the drafter's config and initialisation), ``batches``
+(one step's seeded data), ``features`` (the frozen target's taps), ``loss``, ``checkpoint`` (save
+and resume), ``schedule`` (learning rate, progress line) and ``evaluation`` (held-out acceptance).
 
 The recipe
 ----------
@@ -93,7 +92,7 @@ from mlx.utils import tree_flatten
 
 from dflash2_mlx.backend.progress import ProgressBar
 from dflash2_mlx.models.drafter_config import DFLASH2, DrafterConfig
-from dflash2_mlx.training.drafter_batches import (
+from dflash2_mlx.training.drafter.batches import (
     anchor_range,
     answer_ends,
     batch_indices,
@@ -104,7 +103,7 @@ from dflash2_mlx.training.drafter_batches import (
     sample_anchors,
     step_rng,
 )
-from dflash2_mlx.training.drafter_checkpoint import (
+from dflash2_mlx.training.drafter.checkpoint import (
     checkpoint_tensors,
     config_record,
     data_fingerprint,
@@ -112,11 +111,16 @@ from dflash2_mlx.training.drafter_checkpoint import (
     resume_checkpoint,
     save_checkpoint,
 )
-from dflash2_mlx.training.drafter_init import drafter_from_init, freeze_ablations, init_drafter, make_drafter_config
-from dflash2_mlx.training.drafter_loss import block_target_logits, drafter_head, drafter_loss, forward_blocks, summarize
-from dflash2_mlx.training.drafter_schedule import format_progress, learning_rate_at
-from dflash2_mlx.training.drafter_training_config import RESUMABLE_CHANGES, DrafterTrainingConfig
-from dflash2_mlx.training.target_features import TargetFeatures
+from dflash2_mlx.training.drafter.config import RESUMABLE_CHANGES, DrafterTrainingConfig
+from dflash2_mlx.training.drafter.features import TargetFeatures
+from dflash2_mlx.training.drafter.initialise import (
+    drafter_from_init,
+    freeze_ablations,
+    init_drafter,
+    make_drafter_config,
+)
+from dflash2_mlx.training.drafter.loss import block_target_logits, drafter_head, drafter_loss, forward_blocks, summarize
+from dflash2_mlx.training.drafter.schedule import format_progress, learning_rate_at
 
 __all__ = ["train_drafter"]
 

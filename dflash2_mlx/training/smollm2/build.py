@@ -6,12 +6,12 @@
 
 Stages, in order (each at most about an hour on a quiet 2-core machine; see docs/smollm2.md):
 
-1. ``prompts``: the prompt set (``smollm2_prompts``), with a held-out split for evaluation. The
-   full plan's output is committed (``training/prompt_sets/smollm2_prompts.jsonl``) and reused
+1. ``prompts``: the prompt set (``prompts``), with a held-out split for evaluation. The
+   full plan's output is committed (``training/smollm2/prompt_sets/smollm2_prompts.jsonl``) and reused
    when its key matches, so a fresh machine does not redo it; ``--save-prompts`` refreshes it.
 2. ``greedy`` and 3. ``sampled``: the target's own answers to the training prompts (greedy, then
    t=0.7 top-p 0.9), batched, one chunk file per batch. The full plan's chunks (token ids, 1.6 MB)
-   are committed too (``training/prompt_sets/smollm2_continuations``) and copied wherever a
+   are committed too (``training/smollm2/prompt_sets/smollm2_continuations``) and copied wherever a
    chunk's own key matches; ``--save-continuations`` refreshes them.
 4. ``features``: the target's tapped features of every training sequence, kept on disk.
 5. ``train``: the project's drafter trainer with soft targets (resumes from its checkpoints;
@@ -39,8 +39,8 @@ from typing import Optional
 
 from dflash2_mlx.backend import blas as _blas  # OpenBLAS before mlx.core
 from dflash2_mlx.backend.files import sha256_file
-from dflash2_mlx.training.demo_plan import Log, fix_threads
-from dflash2_mlx.training.smollm2_plan import PLANS, STAGES, SmolPlan, StageRecord, atomic_write_text, stage_key
+from dflash2_mlx.training.build_common import Log, fix_threads
+from dflash2_mlx.training.smollm2.plan import PLANS, STAGES, SmolPlan, StageRecord, atomic_write_text, stage_key
 
 __all__ = ["COMMITTED_CONTINUATIONS", "COMMITTED_PROMPTS", "build", "main"]
 
@@ -92,7 +92,7 @@ class Build:
 
     def prompts(self) -> StageRecord:
         from dflash2_mlx.training import corpus as corpus_mod
-        from dflash2_mlx.training.smollm2_prompts import RECIPE_VERSION, build_prompt_set
+        from dflash2_mlx.training.smollm2.prompts import RECIPE_VERSION, build_prompt_set
 
         p = self.plan
         import pydoc_data.topics
@@ -134,8 +134,8 @@ class Build:
         return record
 
     def continuations(self, prompts: StageRecord, sampled: bool) -> StageRecord:
-        from dflash2_mlx.training.smollm2_generation import GENERATION_RECIPE
-        from dflash2_mlx.training.smollm2_stages import generate_continuations
+        from dflash2_mlx.training.smollm2.generation import GENERATION_RECIPE
+        from dflash2_mlx.training.smollm2.stages import generate_continuations
 
         p, name = self.plan, "sampled" if sampled else "greedy"
         fields = ["target", "seed", "context_len", "continuation_len", "batch_size"]
@@ -168,9 +168,9 @@ class Build:
         self.log(f"continuations: saved to {COMMITTED_CONTINUATIONS}")
 
     def sequences(self, greedy: StageRecord, sampled: StageRecord):
-        """The training windows (``smollm2_stages.Windows``): the greedy answers', then the
+        """The training windows (``stages.Windows``): the greedy answers', then the
         sampled ones', the plan's first ``windows`` of them."""
-        from dflash2_mlx.training.smollm2_stages import Windows, load_windows
+        from dflash2_mlx.training.smollm2.stages import Windows, load_windows
 
         every = Windows.concatenate(
             [
@@ -181,7 +181,7 @@ class Build:
         return every[: self.plan.windows]
 
     def features(self, greedy: StageRecord, sampled: StageRecord) -> StageRecord:
-        from dflash2_mlx.training.smollm2_stages import FEATURES_RECIPE, compute_features
+        from dflash2_mlx.training.smollm2.stages import FEATURES_RECIPE, compute_features
 
         key = stage_key(
             plan=self.plan.fields("target", "drafter_taps", "batch_size", "windows"),
@@ -197,7 +197,7 @@ class Build:
         )
 
     def train(self, greedy: StageRecord, sampled: StageRecord, features: StageRecord) -> StageRecord:
-        from dflash2_mlx.training.smollm2_stages import load_features, train
+        from dflash2_mlx.training.smollm2.stages import load_features, train
 
         p = self.plan
         key = stage_key(
@@ -248,8 +248,8 @@ class Build:
         return self.run_stage("train", key, body)
 
     def evaluate(self, prompts: StageRecord, trained: StageRecord) -> StageRecord:
-        from dflash2_mlx.training.demo_evaluation import evaluate
-        from dflash2_mlx.training.smollm2_prompts import read_prompt_set
+        from dflash2_mlx.training.evaluation import evaluate
+        from dflash2_mlx.training.smollm2.prompts import read_prompt_set
 
         p = self.plan
         key = stage_key(
@@ -263,7 +263,7 @@ class Build:
                 {"prompt": r["prompt"], "source": r["kind"]}
                 for r in read_prompt_set(Path(prompts.outputs["file"]), "heldout")
             ]
-            # demo_evaluation reads the plan's eval_max_tokens, drafter_block_size, sample_temperature, seed
+            # training.evaluation reads the plan's eval_max_tokens, drafter_block_size, sample_temperature, seed
             return evaluate(p, Path(p.target), self.work / "drafter", held, self.log)
 
         return self.run_stage("evaluate", key, body)
@@ -272,8 +272,8 @@ class Build:
         """The drafter, MANIFEST.json and README.md (the model card) in ``out``."""
         import mlx.core as mx
 
-        from dflash2_mlx.training.smollm2_cards import model_card
-        from dflash2_mlx.training.smollm2_stages import copy_drafter
+        from dflash2_mlx.training.smollm2.cards import model_card
+        from dflash2_mlx.training.smollm2.stages import copy_drafter
 
         copy_drafter(self.work / "drafter", self.out)
         config = json.loads((self.out / "config.json").read_text())
@@ -307,7 +307,7 @@ class Build:
         if draft_vocab:
             manifest["draft_vocab"] = draft_vocab
         # the held-out prompts in the shape `dflash2-mlx bench --prompts` reads, for the speed tables
-        from dflash2_mlx.training.smollm2_prompts import read_prompt_set
+        from dflash2_mlx.training.smollm2.prompts import read_prompt_set
 
         held = read_prompt_set(Path(records["prompts"].outputs["file"]), "heldout")
         atomic_write_text(
@@ -322,7 +322,7 @@ class Build:
         """The draft vocabulary the drafter trains on (None: the plan trains with the whole head):
         chosen from the target's continuations (``counts``, if counted already), as
         ``draft_vocab`` chooses it after training."""
-        from dflash2_mlx.training.draft_vocab import choose_draft_vocab, continuation_token_counts
+        from dflash2_mlx.training.drafter.draft_vocab import choose_draft_vocab, continuation_token_counts
 
         if not (self.plan.draft_vocab_size and self.plan.train_on_draft_vocab):
             return None
@@ -335,7 +335,7 @@ class Build:
         """Give the drafter in ``out`` its draft vocabulary, chosen from the target's continuations
         (the training data), unless it trained on it (then it has it): the record for
         MANIFEST.json, or None when the plan has none."""
-        from dflash2_mlx.training.draft_vocab import add_draft_vocab, continuation_token_counts, vocab_record
+        from dflash2_mlx.training.drafter.draft_vocab import add_draft_vocab, continuation_token_counts, vocab_record
 
         if not self.plan.draft_vocab_size:
             return None

@@ -48,7 +48,7 @@ def model_card(manifest: dict) -> str:
     plan = manifest.get("plan", {})
     counts = manifest.get("stages", {}).get("prompts", {}).get("outputs", {}).get("counts")
     if not counts or counts.get("reused_committed"):
-        counts = "those of the committed set, `training/prompt_sets/smollm2_prompts.jsonl`"
+        counts = "those of the committed set, `training/smollm2/prompt_sets/smollm2_prompts.jsonl`"
     prompts = counts
     windows = f"the first {plan['windows']}" if plan.get("windows") else "all"
     anchors = plan.get("drafter_options", {}).get("answer_end_token_ids")

@@ -85,7 +85,7 @@ class SmolPlan:
             "answer_end_token_ids": [0, 2],
         }
     )
-    # the drafter's draft vocabulary (training/draft_vocab.py): its head scores these many ids,
+    # the drafter's draft vocabulary (training/drafter/draft_vocab.py): its head scores these many ids,
     # every token of the target's continuations first (SmolLM2's: 6695 distinct), so a draft
     # reads 8192 of the head's 49152 rows (measured: draft 13.1 -> 5.8 ms at block 2). 0: none
     draft_vocab_size: int = 8192

@@ -28,8 +28,8 @@ from typing import Callable, Optional
 import numpy as np
 
 from dflash2_mlx.training import corpus as corpus_mod
-from dflash2_mlx.training.smollm2_generation import answer_prompts
-from dflash2_mlx.training.smollm2_plan import SmolPlan, atomic_write_text
+from dflash2_mlx.training.smollm2.generation import answer_prompts
+from dflash2_mlx.training.smollm2.plan import SmolPlan, atomic_write_text
 
 __all__ = ["KINDS", "build_prompt_set", "read_prompt_set", "request_candidates", "self_written_questions"]
 

@@ -1,7 +1,7 @@
 """The stages of the SmolLM2 drafter build after the prompts: continuations, training, evaluation.
 
 Continuations ("greedy", "sampled"): the target's own answers to the training prompts, each as
-the engine writes it alone (``smollm2_generation.answer_prompts``: no padding seen, stopped at its
+the engine writes it alone (``generation.answer_prompts``: no padding seen, stopped at its
 end token), a batch of prompts per forward, one chunk file per batch (a kill loses at most the
 batch in progress). Each training sequence (a window) is the prompt's last ``context_len``
 tokens (all of it when shorter) followed by the answer, filled after its end to one length,
@@ -29,9 +29,9 @@ from typing import Callable, Optional
 import numpy as np
 
 from dflash2_mlx.decoding.sampling import SamplingSettings
-from dflash2_mlx.training.smollm2_generation import GENERATION_RECIPE, answer_prompts
-from dflash2_mlx.training.smollm2_plan import SmolPlan, atomic_write_bytes, stage_key
-from dflash2_mlx.training.smollm2_prompts import read_prompt_set
+from dflash2_mlx.training.smollm2.generation import GENERATION_RECIPE, answer_prompts
+from dflash2_mlx.training.smollm2.plan import SmolPlan, atomic_write_bytes, stage_key
+from dflash2_mlx.training.smollm2.prompts import read_prompt_set
 
 __all__ = [
     "FEATURES_RECIPE",
@@ -244,7 +244,7 @@ def window_features(runner, windows: Windows, taps: list[int], final: bool = Fal
     window's positions after its length hold zeros."""
     import mlx.core as mx
 
-    from dflash2_mlx.training.target_features import TargetFeatures
+    from dflash2_mlx.training.drafter.features import TargetFeatures
 
     whole = [windows.whole(i) for i in range(len(windows))]
     tokens = np.full((len(whole), max(len(w) for w in whole)), FILL, dtype=np.int32)
@@ -296,7 +296,7 @@ def load_features(plan: SmolPlan, target, windows: Windows, out_dir: Path, chunk
     """``TargetFeatures`` of ``windows`` read back from ``compute_features``'s chunk files."""
     import mlx.core as mx
 
-    from dflash2_mlx.training.target_features import TargetFeatures
+    from dflash2_mlx.training.drafter.features import TargetFeatures
 
     feats, finals = [], []
     for index in range(chunks):
@@ -315,7 +315,7 @@ def drafter_bytes(drafter_dir: Path) -> int:
 
 def training_config(plan: SmolPlan, target, stop_at_step: Optional[int] = None):
     """The trainer's DrafterTrainingConfig for the plan's drafter (taps checked against ``target``)."""
-    from dflash2_mlx.training.drafter_training_config import DrafterTrainingConfig
+    from dflash2_mlx.training.drafter.config import DrafterTrainingConfig
 
     taps = list(plan.drafter_taps)
     last = len(target.runner.layers) - 1
@@ -342,7 +342,7 @@ def save_untrained_drafter(plan: SmolPlan, target, out: Path) -> Path:
     import mlx.core as mx
     from mlx.utils import tree_flatten
 
-    from dflash2_mlx.training.drafter_init import init_drafter, make_drafter_config
+    from dflash2_mlx.training.drafter.initialise import init_drafter, make_drafter_config
 
     cfg = training_config(plan, target)
     drafter = init_drafter(make_drafter_config(target, cfg), cfg)
@@ -369,7 +369,7 @@ def train(
     """Train (or resume training) the drafter in ``out_dir`` on ``windows`` with soft targets
     (``features``: the target's taps of the windows computed before, see ``load_features``;
     ``draft_vocab``: the token ids the drafter scores, trained on as it will draft)."""
-    from dflash2_mlx.training.drafter_trainer import train_drafter
+    from dflash2_mlx.training.drafter.trainer import train_drafter
 
     cfg = training_config(plan, target, stop_at_step)
     t0 = time.perf_counter()
