@@ -119,10 +119,10 @@ def test_an_xml_call_cut_off_keeps_its_name_and_the_parameters_complete_so_far()
 
 
 def test_each_api_reports_a_cut_off_call_in_its_own_shape(qwen_tokenizer):
-    from dflash2_mlx.server.anthropic_api import MessagesFormatter
-    from dflash2_mlx.server.openai_api import ChatFormatter
-    from dflash2_mlx.server.responses_api import ResponsesRequest, Turn
-    from dflash2_mlx.server.responses_output import ResponsesFormatter
+    from dflash2_mlx.server.anthropic.api import MessagesFormatter
+    from dflash2_mlx.server.openai.api import ChatFormatter
+    from dflash2_mlx.server.responses.api import ResponsesRequest, Turn
+    from dflash2_mlx.server.responses.output import ResponsesFormatter
 
     text = '<tool_call>\n{"name": "get_weather", "arguments": {"days": 3, "city": "Par'
     chat = ChatFormatter(_run(qwen_tokenizer, text, 5, finish="length"), "m").body()["choices"][0]

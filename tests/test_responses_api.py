@@ -11,9 +11,9 @@ from pydantic import TypeAdapter
 from server_helpers import END_THINK, qwen_style_checkpoint
 
 from dflash2_mlx.server.errors import APIError
-from dflash2_mlx.server.responses_api import ResponsesRequest, to_messages, translate
-from dflash2_mlx.server.responses_output import ResponsesFormatter
-from dflash2_mlx.server.responses_store import ChainBroken, ResponseStore
+from dflash2_mlx.server.responses.api import ResponsesRequest, to_messages, translate
+from dflash2_mlx.server.responses.output import ResponsesFormatter
+from dflash2_mlx.server.responses.store import ChainBroken, ResponseStore
 
 openai = pytest.importorskip("openai")
 from openai.types.responses import Response, ResponseStreamEvent  # noqa: E402

@@ -544,9 +544,9 @@ def _post(client, body, path="/v1/chat/completions"):
 def test_tool_calls_are_parsed_by_the_models_tool_parser(qwen_dir):
     from mlx_lm.utils import load_tokenizer
 
-    from dflash2_mlx.server.anthropic_api import MessagesFormatter
+    from dflash2_mlx.server.anthropic.api import MessagesFormatter
     from dflash2_mlx.server.chat import OutputParser
-    from dflash2_mlx.server.openai_api import ChatFormatter
+    from dflash2_mlx.server.openai.api import ChatFormatter
     from dflash2_mlx.server.stream import Accumulator
 
     tok = load_tokenizer(qwen_dir, eos_token_ids=[298])

@@ -1,7 +1,7 @@
 """The FastAPI app: its lifespan, error shapes and middleware, and the routers, on top of one ``Worker``.
 
-The routes live in one router per API surface (``routes_openai``, ``routes_responses``,
-``routes_anthropic``, ``routes_admin``); what they share (the state, the key checks, reading a
+The routes live in one router per API surface (``openai.routes``, ``responses.routes``,
+``anthropic.routes``, ``admin``); what they share (the state, the key checks, reading a
 body) in ``dependencies``; the settings in ``config``.
 """
 
@@ -21,12 +21,15 @@ from fastapi.exceptions import RequestValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.responses import JSONResponse
 
-from dflash2_mlx.server import routes_admin, routes_anthropic, routes_openai, routes_responses
+from dflash2_mlx.server import admin
+from dflash2_mlx.server.anthropic import routes as anthropic_routes
 from dflash2_mlx.server.config import ServerConfig, model_name_for
 from dflash2_mlx.server.dependencies import ServerState
 from dflash2_mlx.server.errors import APIError, bad_request, describe_validation_error, error_body
 from dflash2_mlx.server.metrics import Metrics
-from dflash2_mlx.server.responses_store import ResponseStore
+from dflash2_mlx.server.openai import routes as openai_routes
+from dflash2_mlx.server.responses import routes as responses_routes
+from dflash2_mlx.server.responses.store import ResponseStore
 from dflash2_mlx.server.worker import Worker
 
 # `serve` and the benchmarks import these from here
@@ -215,7 +218,7 @@ def create_app(config: ServerConfig, worker: Optional[Worker] = None, metrics: O
     app.state.server = server
     app.state.worker, app.state.metrics, app.state.config = worker, metrics, config
     app.state.responses = server.responses
-    for router in (routes_admin.router, routes_openai.router, routes_responses.router, routes_anthropic.router):
+    for router in (admin.router, openai_routes.router, responses_routes.router, anthropic_routes.router):
         app.include_router(router)
 
     app.add_middleware(_Middleware, metrics=metrics, max_body=config.max_body_bytes)

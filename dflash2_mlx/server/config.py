@@ -6,7 +6,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional, Sequence
 
-from dflash2_mlx.server.responses_store import DEFAULT_MAX_BYTES, DEFAULT_MAX_ENTRIES
+from dflash2_mlx.server.responses.store import DEFAULT_MAX_BYTES, DEFAULT_MAX_ENTRIES
 
 MAX_BODY_BYTES = 4 * 2**20
 FALLBACK_MAX_TOKENS = 4096  # a request's max_tokens when neither it, the server nor the model sets one

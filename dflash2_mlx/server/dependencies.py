@@ -23,7 +23,7 @@ from dflash2_mlx.server.config import FALLBACK_MAX_TOKENS, ServerConfig
 from dflash2_mlx.server.errors import APIError, bad_request, context_overflow, describe_validation_error
 from dflash2_mlx.server.metrics import Metrics
 from dflash2_mlx.server.params import GenParams
-from dflash2_mlx.server.responses_store import ResponseStore
+from dflash2_mlx.server.responses.store import ResponseStore
 from dflash2_mlx.server.stream import Formatter, JobResponse
 from dflash2_mlx.server.worker import Job, Worker
 

@@ -5,7 +5,7 @@ A Responses request is turned into the equivalent chat-completions request (inpu
 messages, ``text.format`` -> ``response_format``, flat function tools -> chat tools), so prompt
 rendering, sampling parameters, constraints, job submission and output parsing are the chat
 route's own. Fields this server cannot honour are refused with a 400 that names them.
-The output side (Response objects and stream events) is ``responses_output``.
+The output side (Response objects and stream events) is ``responses.output``.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from typing import Any, Dict, List, Optional, Union
 from pydantic import ConfigDict, Field
 
 from dflash2_mlx.server.errors import APIError, bad_request
-from dflash2_mlx.server.responses_store import ChainBroken, ResponseStore
+from dflash2_mlx.server.responses.store import ChainBroken, ResponseStore
 from dflash2_mlx.server.schemas import _Strict
 
 # Fields of the OpenAI spec that change nothing here when they have these values.

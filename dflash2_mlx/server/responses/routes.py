@@ -1,6 +1,6 @@
 """OpenAI's Responses routes: create a response, and get or delete a stored one.
 
-A Responses request is translated into a chat request (``responses_api.translate``, which also
+A Responses request is translated into a chat request (``responses.api.translate``, which also
 resolves ``previous_response_id`` from the store) and runs as one; errors about the chat fields
 are renamed to the Responses fields the client sent.
 """
@@ -11,9 +11,9 @@ from fastapi import APIRouter, Depends, Request
 
 from dflash2_mlx.server.dependencies import ServerState, openai_key, read_json, server_state, validate
 from dflash2_mlx.server.errors import APIError
-from dflash2_mlx.server.responses_api import ResponsesRequest, renamed, translate
-from dflash2_mlx.server.responses_output import ResponsesFormatter
-from dflash2_mlx.server.routes_openai import chat_job
+from dflash2_mlx.server.openai.routes import chat_job
+from dflash2_mlx.server.responses.api import ResponsesRequest, renamed, translate
+from dflash2_mlx.server.responses.output import ResponsesFormatter
 from dflash2_mlx.server.schemas import ChatCompletionRequest
 
 router = APIRouter(dependencies=[Depends(openai_key)])

@@ -1,6 +1,6 @@
 """Anthropic's routes: /v1/messages and /v1/messages/count_tokens, keyed by ``x-api-key``.
 
-The request conversion and the response shape live in ``anthropic_api``. Errors come in
+The request conversion and the response shape live in ``anthropic.api``. Errors come in
 Anthropic's shape (the app's error handlers pick it by path).
 """
 
@@ -10,8 +10,8 @@ import asyncio
 
 from fastapi import APIRouter, Depends, Request
 
-from dflash2_mlx.server.anthropic_api import MessagesFormatter
-from dflash2_mlx.server.anthropic_api import prepare as prepare_messages
+from dflash2_mlx.server.anthropic.api import MessagesFormatter
+from dflash2_mlx.server.anthropic.api import prepare as prepare_messages
 from dflash2_mlx.server.chat import OutputParser, Prompt, render_chat
 from dflash2_mlx.server.dependencies import ServerState, anthropic_key, read_json, server_state, validate
 from dflash2_mlx.server.params import GenParams

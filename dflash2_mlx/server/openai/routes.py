@@ -1,6 +1,6 @@
 """OpenAI's routes: /v1/chat/completions, /v1/completions, /v1/models, and a clear 404 for /v1/embeddings.
 
-The request conversion and the response shapes live in ``openai_api``; these routes check, queue
+The request conversion and the response shapes live in ``openai.api``; these routes check, queue
 and answer. Errors come in OpenAI's shape (the app's error handlers pick it by path).
 """
 
@@ -13,7 +13,7 @@ from fastapi import APIRouter, Depends, Request
 from dflash2_mlx.server.chat import OutputParser, render_chat
 from dflash2_mlx.server.dependencies import ServerState, either_key, openai_key, read_json, server_state, validate
 from dflash2_mlx.server.errors import APIError
-from dflash2_mlx.server.openai_api import ChatFormatter, CompletionFormatter, prepare_chat, prepare_completion
+from dflash2_mlx.server.openai.api import ChatFormatter, CompletionFormatter, prepare_chat, prepare_completion
 from dflash2_mlx.server.schemas import ChatCompletionRequest, CompletionRequest, ModelCard, ModelList
 from dflash2_mlx.server.stream import Accumulator
 from dflash2_mlx.server.worker import Job

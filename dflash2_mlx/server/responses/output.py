@@ -1,7 +1,7 @@
 """`/v1/responses` output: a job's output as a Response object (its items, usage and status) or as
 the Responses stream events, and the stored copy for ``previous_response_id``.
 
-The request side (Responses request -> chat request) is ``responses_api``.
+The request side (Responses request -> chat request) is ``responses.api``.
 """
 
 from __future__ import annotations
@@ -12,9 +12,9 @@ from typing import Optional
 
 from dflash2_mlx.server.chat import Delta
 from dflash2_mlx.server.errors import APIError
-from dflash2_mlx.server.openai_api import chat_logprobs
-from dflash2_mlx.server.responses_api import ResponsesRequest, Turn
-from dflash2_mlx.server.responses_store import ResponseStore
+from dflash2_mlx.server.openai.api import chat_logprobs
+from dflash2_mlx.server.responses.api import ResponsesRequest, Turn
+from dflash2_mlx.server.responses.store import ResponseStore
 from dflash2_mlx.server.stream import Accumulator, Formatter, sse
 
 
