@@ -7,9 +7,8 @@ On the embedded pair with a JSON schema, same prompts (and seeds), interleaved, 
 ``GenerationSettings.mask_drafts``:
 
 - ``masked-drafts`` (True): every block's k selector candidates per row are filtered by the
-  matcher advanced along the path so far; greedy keeps the best allowed one by pair score
-  (``GrammarState.greedy_path``), sampling draws from the selector's softmax over the allowed ones
-  (``GrammarState.sampled_path``);
+  matcher advanced along the path so far, and the best allowed one by pair score is kept
+  (``GrammarState.greedy_path``; sampled, on the scores noised with the request's keyed draws);
 - ``verify-masks-only`` (False): the kernel's walk, drafts the grammar refuses are proposed and
   rejected;
 - ``auto`` (None, the default): the walk while refused drafts often end the accepted run

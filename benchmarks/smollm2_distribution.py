@@ -14,7 +14,7 @@ sampled setting). For each prompt (chat template applied):
 2. ``--samples`` speculative generations of that many tokens (``generate_speculative``, one
    seed each, block size ``--block-size``), sharing a prefix cache so that the prompt is
    prefilled once: the first token is drawn from the prompt's logits, the others come from
-   speculative cycles (accepted drafts, the residual after a rejection, the bonus token);
+   speculative cycles (accepted drafts and the bonus token: the target's keyed draws);
 3. G-tests of the draws against the exact joint, and against its coarsening by the token at each
    position, each at ALPHA / (number of tests), so a correct sampler fails the whole check with
    probability at most ALPHA (1e-3).

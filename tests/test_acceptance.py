@@ -1,6 +1,6 @@
-"""The greedy accept rule on hand-made verify logits (the sampled rule's distribution is tested in
-test_sampling.py): the longest prefix of drafts equal to the target's argmax is kept, and the bonus
-is the target's argmax right after it."""
+"""The accept rules on hand-made verify logits (the sampled rule's distribution is tested in
+test_sampling.py): the longest prefix of drafts equal to the target's own picks is kept (greedy its
+argmax, sampled its keyed draw for each row's position), and the bonus is its pick right after it."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import mlx.core as mx
 import pytest
 
 from dflash2_mlx.decoding.acceptance import accept_greedy, accept_rule, accept_sampled, plain_step_token
-from dflash2_mlx.decoding.sampling import SamplingSettings
+from dflash2_mlx.decoding.sampling import SamplingSettings, keyed_draw
 
 VOCAB = 10
 
@@ -35,9 +35,43 @@ def test_greedy_keeps_the_longest_agreeing_prefix_and_adds_the_targets_next_toke
 
 
 def test_the_rule_is_chosen_by_the_sampling_settings():
-    assert accept_rule(SamplingSettings(temperature=0.0)) is accept_greedy
-    assert accept_rule(SamplingSettings(temperature=0.7)).func is accept_sampled
+    assert accept_rule(SamplingSettings(temperature=0.0), seed=1) is accept_greedy
+    rule = accept_rule(SamplingSettings(temperature=0.7), seed=1)
+    assert rule.func is accept_sampled and rule.keywords["seed"] == 1
 
 
 def test_a_plain_step_at_temperature_zero_takes_the_rows_argmax():
-    assert plain_step_token(_logits_preferring([8]), SamplingSettings(temperature=0.0)).tolist() == [8]
+    assert plain_step_token(_logits_preferring([8]), SamplingSettings(temperature=0.0), 0, 5).tolist() == [8]
+
+
+SAMPLED = SamplingSettings(temperature=1.0, top_p=0.9)
+
+
+def _flat_logits(rows: int) -> mx.array:
+    """Rows of logits under which many tokens are likely: keyed draws differ from row to row."""
+    return mx.array([[0.3 * ((i * 7 + v * 3) % 5) for v in range(VOCAB)] for i in range(rows)])
+
+
+@pytest.mark.parametrize("agree", [0, 1, 2, 3])
+def test_sampled_keeps_the_drafts_equal_to_the_targets_keyed_draws_at_their_positions(agree):
+    """Row i of a block after the anchor at position n draws position n + 1 + i: drafts equal to
+    those draws are kept up to the first that differs, and the bonus is the draw right after."""
+    seed, anchor_position, logits = 77, 12, _flat_logits(4)
+    draws = [int(keyed_draw(logits[i : i + 1], SAMPLED, seed, anchor_position + 1 + i).item()) for i in range(4)]
+    assert draws == keyed_draw(logits, SAMPLED, seed, anchor_position + 1).tolist()  # row by row or as a block
+    drafts = draws[:3]
+    if agree < 3:
+        drafts[agree] = (drafts[agree] + 1) % VOCAB
+    verdict = accept_sampled(mx.array(drafts, dtype=mx.int32), logits, anchor_position, SAMPLED, seed)
+    assert verdict.accepted.tolist() == [agree] and verdict.bonus.tolist() == [draws[agree]]
+    # a plain step predicting the same position draws the same token
+    step = plain_step_token(logits[agree : agree + 1], SAMPLED, seed, anchor_position + 1 + agree)
+    assert step.tolist() == [draws[agree]]
+
+
+def test_sampled_draws_depend_on_the_seed_and_the_position():
+    logits = mx.broadcast_to(_flat_logits(1), (64, VOCAB))
+    by_position = keyed_draw(logits, SAMPLED, 5, 0).tolist()
+    assert len(set(by_position)) > 2  # positions draw independently
+    assert keyed_draw(logits, SAMPLED, 6, 0).tolist() != by_position  # so do seeds
+    assert keyed_draw(logits, SAMPLED, 5 + 2**64, 0).tolist() == by_position  # seeds are taken mod 2**64

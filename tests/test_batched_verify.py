@@ -222,10 +222,11 @@ def test_a_second_verify_request_within_a_step_is_answered_alone(hybrid_target):
 @pytest.mark.slow
 @pytest.mark.parametrize("kind", ["hybrid", "plain"])
 def test_sampling_under_batched_verify_draws_what_taking_turns_draws(kind, hybrid_target, plain_target):
-    """Sampled decoding: with the same seed, lock-step decoding with batched verify passes gives
-    every sequence the tokens that one pass each gives (the random draws happen in the same order
-    and the target's distributions are the solo passes'), so batching keeps each sequence's
-    exact sampling distribution."""
+    """Sampled decoding: lock-step decoding with batched verify passes gives every sequence the
+    tokens that one pass each gives, and those are its plain sampled decoding's with its seed
+    (each draw is keyed by the sequence's seed and position, and the target's distributions are
+    the solo passes'), so batching keeps each sequence's exact sampling distribution. Unseeded
+    sequences draw their keys from the global random state as they start."""
     from dflash2_mlx.decoding.sampling import SamplingSettings
 
     cfg, model = hybrid_target if kind == "hybrid" else plain_target
@@ -234,12 +235,12 @@ def test_sampling_under_batched_verify_draws_what_taking_turns_draws(kind, hybri
     drafter = tiny.build_drafter(dcfg)
     prompts = [[3, 1, 4], [1, 5, 9, 2, 6] * 4, [5, 3]]
     settings = [
-        GenerationSettings(max_tokens=n, block_size=b, sampling=SamplingSettings(temperature=0.9))
-        for n, b in ((30, 4), (22, 6), (26, 3))
+        GenerationSettings(max_tokens=n, block_size=b, sampling=SamplingSettings(temperature=0.9, top_p=0.9), seed=seed)
+        for n, b, seed in ((30, 4, 7), (22, 6, None), (26, 3, 2**64 - 1))
     ]
     outputs = {}
     for batch in (True, False):
-        mx.random.seed(11)
+        mx.random.seed(11)  # the unseeded sequence's key
         tokens = defaultdict(list)
         loops = [speculative_steps(runner, drafter, p, s) for p, s in zip(prompts, settings)]
         for i, event in run_together(runner, loops, batch=batch):
@@ -247,6 +248,9 @@ def test_sampling_under_batched_verify_draws_what_taking_turns_draws(kind, hybri
         outputs[batch] = dict(tokens)
     assert outputs[True] == outputs[False]
     assert all(len(outputs[True][i]) == s.max_tokens for i, s in enumerate(settings))
+    for i in (0, 2):
+        plain = generate_autoregressive(runner, prompts[i], settings[i])
+        assert [t for e in plain for t in e.tokens] == outputs[True][i]
 
 
 def test_a_plain_step_batches_with_blocks(hybrid_target):

@@ -1,4 +1,5 @@
-"""Speculative greedy decoding is token-for-token plain greedy decoding (float32, CPU).
+"""Speculative decoding is token-for-token plain decoding (float32, CPU): greedy, and sampled with
+the same seed (each position's token is the request's keyed draw there, whoever draws it).
 
 The drafters here are real DFlash / DFlash 2 modules; ``OracleDrafter`` replaces their proposals
 by the target's own greedy continuation corrupted at random positions, so every accepted count
@@ -256,7 +257,8 @@ def test_stop_tokens_and_max_tokens_clip_a_cycle(hybrid_target):
 
 
 def test_sampled_decoding_through_the_compiled_kernels_draws_what_the_reference_draws(hybrid_target):
-    """Given the same seed (so the same pre-drawn uniforms), the kernel path samples the same tokens."""
+    """Sampled drafts go through the selector's greedy kernel on noised scores: the compiled kernel
+    bodies draft what the reference does, and both outputs are plain sampled decoding's."""
     from kernel_harness import harness
 
     from dflash2_mlx.decoding.sampling import SamplingSettings
@@ -270,7 +272,7 @@ def test_sampled_decoding_through_the_compiled_kernels_draws_what_the_reference_
     reference = _tokens(generate_speculative(runner, drafter, [3, 4, 5], settings))
     with kernels.override(**harness.harness_kernels()):
         compiled = _tokens(generate_speculative(runner, drafter, [3, 4, 5], settings))
-    assert compiled == reference
+    assert compiled == reference == _tokens(generate_autoregressive(runner, [3, 4, 5], settings))
 
 
 # -- the block-size controller: any schedule of plain steps and block sizes is lossless ---------
@@ -402,3 +404,137 @@ def test_blocks_drafted_after_a_plain_stretch_equal_those_of_a_run_that_never_le
         # float rounding only (batched and one-row BLAS matmuls of the context rows round differently)
         gap = mx.abs(switching[p] - always[p]).max().item()
         assert gap < 1e-4, f"block at position {p} differs by {gap}"
+
+
+# -- sampling: the same seed draws the same token at each position, speculative or not ---------
+
+
+def _sampled_case(targets, case) -> None:
+    """One set-up drawn by hypothesis: the plain sampled continuation of a prompt with a seed, then
+    the speculative run with the same seed, drafter (an oracle of that continuation corrupted at
+    random positions, of another seed's, or a random drafter), block size or block schedule."""
+    from dflash2_mlx.decoding.sampling import SamplingSettings
+    from dflash2_mlx.policies.block_size import ScheduledBlocks
+
+    cfg, model = targets[case["kind"]]
+    runner = TargetRunner(model)
+    prompt, seed = case["prompt"], case["seed"]
+    sampling = SamplingSettings(temperature=case["temperature"], top_p=case["top_p"], top_k=case["top_k"])
+    plain = _tokens(generate_autoregressive(runner, prompt, GenerationSettings(MAX_TOKENS, sampling, seed=seed)))
+    dcfg = tiny.drafter_config(cfg, version=case["version"], block_size=16, sliding_window=case["window"])
+    base = tiny.build_drafter(dcfg, seed=case["weights"])
+    if case["drafter"] == "random":
+        drafter = base
+    else:
+        continuation = plain
+        if case["drafter"] == "oracle of another seed":
+            other = GenerationSettings(MAX_TOKENS, sampling, seed=seed ^ 1)
+            continuation = _tokens(generate_autoregressive(runner, prompt, other))
+        corrupt = {len(prompt) + 1 + i for i in case["corrupt"]}
+        drafter = tiny.OracleDrafter(dcfg, prompt + continuation, corrupt)
+        drafter.load_weights(tree_flatten(base.parameters()))
+    blocks = case["blocks"]
+    if len(blocks) == 1:
+        settings = GenerationSettings(MAX_TOKENS, sampling, seed=seed, block_size=max(blocks[0], 2))
+    else:
+        settings = GenerationSettings(MAX_TOKENS, sampling, seed=seed, policy=ScheduledBlocks(blocks))
+    events = list(generate_speculative(runner, drafter, prompt, settings))
+    assert _tokens(events) == plain, case
+    if case["drafter"] == "oracle" and not case["corrupt"] and len(blocks) == 1:
+        stats = events[-1].stats  # nothing was refused: every block was kept whole (but a clipped last one)
+        assert stats.accepted_tokens >= stats.drafted_tokens - max(blocks[0], 2) + 1
+
+
+def test_sampled_speculative_output_equals_plain_sampled_output_for_every_seed(hybrid_target, plain_target):
+    """For every seed, prompt, sampling settings (top-p on), drafter, block size and block
+    schedule (plain steps, blocks drafted and verified ahead of a host sync), speculative sampled
+    output is plain sampled output token for token: each position's token is the request's keyed
+    draw there, whoever draws it."""
+    from hypothesis import HealthCheck, given, settings
+    from hypothesis import strategies as st
+
+    targets = {"hybrid": hybrid_target, "plain": plain_target}
+    cases = st.fixed_dictionaries(
+        {
+            "kind": st.sampled_from(["hybrid", "plain"]),
+            "prompt": st.lists(st.integers(0, tiny.VOCAB - 5), min_size=1, max_size=24),
+            "seed": st.integers(0, 2**64 - 1),
+            "temperature": st.sampled_from([0.3, 0.7, 1.0, 1.5]),
+            "top_p": st.sampled_from([0.5, 0.9, 0.95]),
+            "top_k": st.sampled_from([0, 0, 20]),
+            "version": st.sampled_from([1, 2]),
+            "window": st.sampled_from([None, None, 5]),
+            "weights": st.integers(0, 999),
+            "drafter": st.sampled_from(["oracle", "oracle", "oracle of another seed", "random"]),
+            "corrupt": st.sets(st.integers(0, MAX_TOKENS), max_size=8),
+            "blocks": st.lists(st.integers(1, 16), min_size=1, max_size=12),
+        }
+    )
+
+    @settings(max_examples=60, deadline=None, suppress_health_check=list(HealthCheck), derandomize=True)
+    @given(case=cases)
+    def check(case):
+        _sampled_case(targets, case)
+
+    check()
+
+
+@pytest.mark.parametrize("version", [1, 2])
+def test_every_accepted_count_occurs_for_every_block_size_when_sampling(hybrid_target, version):
+    """Sampled, with top-p: for each B, an oracle of the plain sampled continuation corrupted at
+    chosen offsets drives accepted counts 0..B-1, and the output is still plain sampled decoding's."""
+    from dflash2_mlx.decoding.sampling import SamplingSettings
+
+    cfg, model = hybrid_target
+    runner = TargetRunner(model)
+    prompt, sampling = FORCED_PROMPT, SamplingSettings(temperature=1.0, top_p=0.9)
+    longest = 16 * 17 + 4
+    plain = _tokens(generate_autoregressive(runner, prompt, GenerationSettings(longest, sampling, seed=version)))
+    dcfg = tiny.drafter_config(cfg, version=version, block_size=16)
+    weights = tree_flatten(tiny.build_drafter(dcfg).parameters())
+    for block in range(2, 17):
+        n_tokens = block * (block + 1) + 4
+        wanted = list(range(block))
+        drafter = tiny.OracleDrafter(dcfg, prompt + plain, tiny.corrupted_for(len(prompt), wanted, block))
+        drafter.load_weights(weights)
+        settings = GenerationSettings(n_tokens, sampling, seed=version, block_size=block)
+        events = list(generate_speculative(runner, drafter, prompt, settings))
+        assert _tokens(events) == plain[:n_tokens]
+        assert [e.accepted for e in events if e.accepted is not None][: len(wanted)] == wanted
+
+
+class _MirrorDrafter(tiny.OracleDrafter):
+    """A drafter whose logits at each row are the target's own for the position the row drafts
+    (from one pass over the known continuation): its distribution q is the target's p."""
+
+    def __init__(self, config, weights, target_logits):
+        super().__init__(config, [], set())
+        self.load_weights(weights)
+        self.table = target_logits  # [positions, V]: row m predicts sequence position m + 1
+
+    def logits(self, hidden, lm_head):
+        real = super().logits(hidden, lm_head)  # [1, R, V] (the forward still runs)
+        return 0 * real + mx.take(self.table, self._block_pos + mx.arange(hidden.shape[1]), axis=0)
+
+
+def test_a_drafter_whose_distribution_is_the_targets_has_every_sampled_draft_kept(hybrid_target):
+    """DFlash 1 drafting with q = p draws each row with the noise the target's draw for the same
+    position uses, so every draft equals the target's draw: every block is kept whole, through
+    plain steps and blocks drafted ahead of a host sync alike."""
+    from dflash2_mlx.decoding.sampling import SamplingSettings
+    from dflash2_mlx.policies.block_size import ScheduledBlocks
+
+    cfg, model = hybrid_target
+    runner = TargetRunner(model)
+    prompt, sampling = [3, 1, 4, 1, 5], SamplingSettings(temperature=1.0, top_p=0.9)
+    plain = _tokens(generate_autoregressive(runner, prompt, GenerationSettings(60, sampling, seed=9)))
+    table, _ = runner(mx.array([prompt + plain]), runner.make_cache())
+    dcfg = tiny.drafter_config(cfg, version=1, block_size=8)
+    drafter = _MirrorDrafter(dcfg, tree_flatten(tiny.build_drafter(dcfg).parameters()), table[0])
+    for policy in (ScheduledBlocks([6]), ScheduledBlocks([4, 1, 1, 8, 2, 1])):
+        events = list(
+            generate_speculative(runner, drafter, prompt, GenerationSettings(60, sampling, seed=9, policy=policy))
+        )
+        assert _tokens(events) == plain
+        kept = [(e.accepted, e.drafted) for e in events if e.accepted is not None]
+        assert len(kept) > 5 and all(a == d for a, d in kept[:-1])

@@ -1,4 +1,5 @@
-"""Speculative sampling draws exactly from the target's distribution.
+"""Sampled decoding draws exactly from the target's distribution: the keyed Gumbel-max draw itself,
+and the tokens speculative sampling emits (which are plain sampled decoding's, token for token).
 
 Statistical tests use a G-test at a stated false-alarm rate (ALPHA) with fixed seeds, so each run
 is deterministic: a correct sampler passes with probability 1 - ALPHA for a given seed set, and
@@ -12,78 +13,55 @@ import numpy as np
 import pytest
 import tiny
 
-from dflash2_mlx.decoding.sampling import SamplingSettings, probabilities, rejection_step
+from dflash2_mlx.decoding.sampling import SamplingSettings, keyed_draw, probabilities
 from dflash2_mlx.decoding.speculative import generate_speculative
 from dflash2_mlx.decoding.types import GenerationSettings
 from dflash2_mlx.diagnostics.distribution import ALPHA, exact_joint, g_test_pvalue
 from dflash2_mlx.models.target import TargetRunner
 
 
-def _first_emitted(draft, p, q, candidates=None):
-    accepted, nxt = rejection_step(draft, p, q, candidates)
-    a = int(accepted.item())
-    emitted = draft.tolist()[:a] + [int(nxt[a].item())]
-    return emitted
+def _keyed_counts(logits, sampling, keys):
+    """Counts [R, V] of the keyed draws of rows ``logits`` [R, V] over (seed, position) ``keys``."""
+    counts = np.zeros(logits.shape)
+    for seed, position in keys:
+        drawn = np.array(keyed_draw(logits, sampling, seed, position))
+        counts[np.arange(logits.shape[0]), drawn] += 1
+    return counts
 
 
-@pytest.mark.parametrize("sparse", [False, True])
-def test_rejection_step_output_follows_p(sparse):
-    """Whatever q proposes (dense, or sparse over k candidates), emitted tokens follow p."""
-    rng = np.random.default_rng(0)
-    vocab, rows, n = 6, 2, 6000
-    p = mx.array(rng.dirichlet(np.ones(vocab), size=rows + 1).astype(np.float32))
-    if sparse:
-        candidates = mx.array(np.stack([rng.permutation(vocab)[:3] for _ in range(rows)]).astype(np.int32))
-        q = mx.array(rng.dirichlet(np.ones(3), size=rows).astype(np.float32))
-    else:
-        candidates = None
-        q = mx.array(rng.dirichlet(np.ones(vocab), size=rows).astype(np.float32))
-    mx.random.seed(1)
+@pytest.mark.parametrize("keys", ["one position, many seeds", "one seed, many positions"])
+def test_a_keyed_gumbel_max_draw_follows_p(keys):
+    """argmax(log p + G_n) is a draw from p, whichever of the seed and the position varies; tokens
+    the sampling settings exclude (top-p, top-k) are never drawn."""
+    rng = np.random.default_rng(4)
+    vocab, rows, n = 8, 3, 4000
+    logits = mx.array(rng.normal(scale=1.5, size=(rows, vocab)).astype(np.float32))
+    sampling = SamplingSettings(temperature=0.8, top_p=0.9, top_k=6)
+    p = np.array(probabilities(logits, sampling))
+    assert (p == 0).sum() >= rows * 2  # some tokens are excluded in every row
+    pairs = [(s, 17) for s in range(n)] if keys == "one position, many seeds" else [(2026, 3 * j) for j in range(n)]
+    counts = _keyed_counts(logits, sampling, pairs)
+    assert counts[p == 0].sum() == 0
+    for i in range(rows):  # row i's draws use position + i: another stream, with the same law
+        assert g_test_pvalue(counts[i], p[i]) > ALPHA
+
+
+def test_keyed_draws_at_different_positions_are_independent():
+    """The joint of two rows' draws (positions n and n + 1 of one seed) is the product of p's."""
+    rng = np.random.default_rng(5)
+    vocab, n = 5, 5000
+    logits = mx.array(rng.normal(size=(2, vocab)).astype(np.float32))
+    sampling = SamplingSettings(temperature=1.0)
+    p = np.array(probabilities(logits, sampling))
     joint = np.zeros((vocab, vocab))
-    accepted_counts = [0, 0, 0]
-    for _ in range(n):
-        if sparse:
-            pick = mx.random.categorical(mx.log(q))
-            draft = mx.take_along_axis(candidates, pick[:, None], axis=-1)[:, 0]
-        else:
-            draft = mx.random.categorical(mx.log(q))
-        emitted = _first_emitted(draft, p, q, candidates)
-        accepted_counts[len(emitted) - 1] += 1
-        if len(emitted) < 2:
-            # rejected at row 0: the next cycle would start at row 1, whose p is fixed here
-            emitted.append(int(mx.random.categorical(mx.log(p[1])).item()))
-        joint[emitted[0], emitted[1]] += 1
-    # p is fixed per row here, so the first two emitted tokens are independent draws from p0, p1
-    p_np = np.array(p)
-    expected = np.outer(p_np[0], p_np[1]).ravel()
-    assert min(accepted_counts) > 0  # rejection at row 0, at row 1, and the full block all happened
-    assert g_test_pvalue(joint.ravel(), expected) > ALPHA
+    for seed in range(n):
+        first, second = keyed_draw(logits, sampling, seed, 40).tolist()
+        joint[first, second] += 1
+    assert g_test_pvalue(joint.ravel(), np.outer(p[0], p[1]).ravel()) > ALPHA
 
 
-def test_a_fully_accepted_block_draws_its_bonus_token_from_the_row_after_it():
-    """When every draft is accepted, the extra token is drawn from p of the row after the block.
-
-    The joint-distribution tests stop before a full block's bonus token, so it is pinned here:
-    with q == p every draft is accepted, and the bonus must follow the last row of p, which the
-    test can tell from its neighbour."""
-    rng = np.random.default_rng(3)
-    vocab, rows, n = 6, 2, 3000
-    p = mx.array(rng.dirichlet(np.ones(vocab), size=rows + 1).astype(np.float32))
-    q = p[:rows]
-    mx.random.seed(2)
-    bonus = np.zeros(vocab)
-    for _ in range(n):
-        draft = mx.random.categorical(mx.log(q))
-        accepted, next_tokens = rejection_step(draft, p, q)
-        assert int(accepted.item()) == rows
-        bonus[int(next_tokens[rows].item())] += 1
-    p_np = np.array(p)
-    assert g_test_pvalue(bonus, p_np[rows]) > ALPHA
-    assert g_test_pvalue(bonus, p_np[rows - 1]) < ALPHA
-
-
-def test_rejection_step_detects_a_wrong_sampler():
-    """The statistical test has power: drafting from q and accepting everything is caught."""
+def test_the_g_test_detects_a_wrong_sampler():
+    """The statistical test has power: draws from a q other than p are caught."""
     rng = np.random.default_rng(0)
     p = rng.dirichlet(np.ones(6))
     q = rng.dirichlet(np.ones(6))
@@ -148,17 +126,17 @@ def _joint_distribution_test(version, block_settings, n=1500, draft_vocab=None):
     counts = np.zeros_like(exact)
     accepted_any = 0
     # Each draw is a whole generation (~15-30 ms, nearly all per-op overhead; the engine decodes a
-    # batch of one, so draws cannot be vectorised), so n sets this test's cost. n = 1500 (was 2500)
-    # keeps the power. The G statistic of draws from deliberately broken samplers (rejection_step
-    # patched in the engine, same seeds) estimates each bug's noncentrality lambda = G - df, which
-    # scales with n; at n = 1500 (df 61 after pooling) the power at ALPHA is:
-    #   bug                                        lambda(2500) v1 / v2   power at 1500, v1 / v2
-    #   residual drawn from p, not norm((p - q)+)         515 / 925          1.0 / 1.0
-    #   acceptance ignores q (accept if u < p(d))        1110 / 1519         1.0 / 1.0
-    #   next token taken from the following row          2185 / 3210         1.0 / 1.0
-    #   q tempered twice (q^2 renormalised)*              233 / 221      0.99999 / 0.99999
-    # * the subtlest; lambda from 7500 draws, and even at lambda - 2 sd the power is >= 0.9997.
-    # (A wrong bonus row is invisible here at any n: with 3 tokens the bonus is always clipped.)
+    # batch of one, so draws cannot be vectorised), so n sets this test's cost. Every generated
+    # token is the request's keyed draw at its position, so the drafter only changes how many
+    # draws a cycle keeps, never the tokens: bugs show up as a wrong joint. The G statistic of
+    # draws from deliberately broken engines (same seeds, n = 1500, df 61 after pooling) gives
+    # each bug's noncentrality lambda = G - df (a correct engine: G 59.1):
+    #   bug                                                    lambda, v1 / v2    power at ALPHA
+    #   verify rows keyed one position early (row 0 reuses            971 / 971             1.0
+    #     the noise of the token before the block)
+    #   bonus taken from the row after the first refusal              1233 / 2068            1.0
+    #   verify draws keyed by a fixed seed, not the request's            - / 6768            1.0
+    # (A wrong bonus row after a full block is invisible here at any n: with 3 tokens it is clipped.)
     for seed in range(n):
         settings = GenerationSettings(max_tokens=3, sampling=sampling, seed=seed, **block_settings())
         events = list(generate_speculative(runner, drafter, prompt, settings))

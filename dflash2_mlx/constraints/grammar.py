@@ -229,8 +229,8 @@ class GrammarState:
 
     @property
     def walk_pays(self) -> bool:
-        """Whether the next block's drafts should be walked under the grammar (greedy_path,
-        sampled_path): the drafter has recently proposed refused tokens often enough."""
+        """Whether the next block's drafts should be walked under the grammar (greedy_path): the
+        drafter has recently proposed refused tokens often enough."""
         return self.refusal_rate > WALK_ABOVE
 
     def _observe_refusal(self, refused: float) -> None:
@@ -377,60 +377,6 @@ class GrammarState:
             prev = int(pick)
         self.matcher.rollback(consumed)
         return path
-
-    def sampled_path(self, candidates, pairs, temperature: float, uniforms) -> tuple[list[int], np.ndarray]:
-        """The selector's sampled walk restricted to candidates the grammar allows: candidates
-        [R, k], pair scores [R, k (predecessor), k] as for ``greedy_path``, the sampling
-        temperature and pre-drawn uniforms [R] -> (R draft tokens, q [R, k] float32).
-
-        Row i's q is softmax(scores / T) over its allowed candidates (refused ones and stop tokens
-        get 0), and the pick is the first j with cumsum(q)[j] > uniforms[i]: the inverse CDF of the
-        ``select_sampled`` kernel. A row with no allowed candidate, and every row after it, draws
-        from the unmasked softmax exactly as the kernel does (that draft is rejected anyway). q is
-        the distribution each token was really drawn from, as rejection sampling needs; the verify
-        masks keep the output exact, masking the drafts only raises acceptance."""
-        candidates = np.asarray(candidates)
-        pairs = np.asarray(pairs.astype(mx.float32) if isinstance(pairs, mx.array) else pairs, dtype=np.float32)
-        uniforms = np.asarray(
-            uniforms.astype(mx.float32) if isinstance(uniforms, mx.array) else uniforms, dtype=np.float32
-        ).reshape(-1)
-        temperature = np.float32(temperature.item() if isinstance(temperature, mx.array) else temperature)
-        rows, k = candidates.shape
-        self._ensure_rows(rows)
-        path, prev, consumed, masking = [], 0, 0, not self._reasoning
-        q = np.zeros((rows, k), dtype=np.float32)
-        refused_at, observed = None, masking  # the first row whose unmasked draw is refused
-        for i in range(rows):
-            allowed = np.ones(k, dtype=np.bool_)
-            if masking:
-                self._fill(i)
-                allowed = self._allowed_candidates(i, candidates[i])
-                if not allowed.any():
-                    allowed[:], masking = True, False
-            scaled = pairs[i, prev] / temperature
-            weights = np.where(allowed, np.exp(scaled - scaled[allowed].max()), np.float32(0))
-            q[i] = weights / weights.sum()
-            if masking and refused_at is None:  # would the unmasked draw, same uniform, be refused?
-                unmasked = np.exp(scaled - scaled.max())
-                j = min(int(np.sum(np.cumsum(unmasked / unmasked.sum()) <= uniforms[i])), k - 1)
-                refused_at = None if allowed[j] else i
-            # The first j whose CDF exceeds u has q[j] > 0, so it is allowed; when rounding (or
-            # u >= 1) leaves none, the last allowed one (the kernel's clamp to k - 1 when unmasked).
-            pick = int(np.sum(np.cumsum(q[i]) <= uniforms[i]))
-            if pick >= k:
-                pick = int(np.flatnonzero(allowed)[-1])
-            token = int(candidates[i, pick])
-            if masking:
-                if self.matcher.consume_token(token):
-                    consumed += 1
-                else:  # drawn from q all the same; the matcher cannot follow, so the rest is unmasked
-                    masking = False
-            path.append(token)
-            prev = pick
-        self.matcher.rollback(consumed)
-        if observed:
-            self._walk_refused_at = rows if refused_at is None else refused_at
-        return path, q
 
     def _allows(self, row: int, token: int) -> bool:
         return token >> 5 < self._bits.shape[1] and bool((int(self._bits[row, token >> 5]) >> (token & 31)) & 1)

@@ -1,18 +1,24 @@
 """The accept rules: which drafted tokens the target keeps, and the token it adds after them.
 
+One rule for both kinds of decoding: the target picks its own token at every verify row, and the
+drafts are kept while they equal those picks. Greedy, the target's pick is the row's argmax;
+sampled, it is the request's keyed draw for that row's position (``sampling.keyed_draw``:
+``argmax(log p + G_n)``), the very token plain sampled decoding draws there with the same seed.
+So a cycle's output is the target's own token for token, greedy or sampled, whatever the
+drafts were (a draft only decides how many of the target's tokens one pass yields).
+
 Each rule runs on the device (nothing is read): the loop reads ``accepted`` and ``bonus`` in its
-one host sync per cycle. Both rules make a cycle's output the target's own: greedy equals plain
-decoding token for token, sampled follows the target's exact distribution.
+one host sync per cycle.
 """
 
 from __future__ import annotations
 
 from functools import partial
-from typing import Callable, NamedTuple, Optional
+from typing import Callable, NamedTuple
 
 import mlx.core as mx
 
-from dflash2_mlx.decoding.sampling import SamplingSettings, probabilities, rejection_step, sample
+from dflash2_mlx.decoding.sampling import SamplingSettings, keyed_draw
 
 
 class Verdict(NamedTuple):
@@ -20,51 +26,44 @@ class Verdict(NamedTuple):
     bonus: mx.array  # [1]: the target's own token after the kept drafts
 
 
-def accept_greedy(
-    draft_tokens: mx.array,
-    verify_logits: mx.array,
-    draft_q: Optional[mx.array] = None,
-    candidates: Optional[mx.array] = None,
-) -> Verdict:
-    """Greedy acceptance of ``draft_tokens`` [R] against ``verify_logits`` [R + 1, V] (greedy
-    drafts carry no distribution: ``draft_q`` and ``candidates`` are unused).
-
-    Rule: draft i is kept if it equals the target's argmax at row i and every draft before it was
-    kept (the longest agreeing prefix); the bonus is the target's argmax right after the last kept
-    draft, where plain decoding would have gone on."""
-    target_tokens = mx.argmax(verify_logits, axis=-1)  # [R + 1]
+def keep_agreeing(draft_tokens: mx.array, target_tokens: mx.array) -> Verdict:
+    """Drafts [R] against the target's picks [R + 1]: draft i is kept if it equals the target's pick
+    at row i and every draft before it was kept (the longest agreeing prefix); the bonus is the
+    target's pick right after the last kept draft, where plain decoding would have gone on."""
     agree = (draft_tokens == target_tokens[:-1]).astype(mx.int32)
     accepted = mx.cumprod(agree).sum(keepdims=True)  # [1]
     return Verdict(accepted, mx.take(target_tokens, accepted))
 
 
+def accept_greedy(draft_tokens: mx.array, verify_logits: mx.array, anchor_position: int = 0) -> Verdict:
+    """Greedy acceptance of ``draft_tokens`` [R] against ``verify_logits`` [R + 1, V]: the target's
+    pick at each row is its argmax (the anchor's position does not matter)."""
+    return keep_agreeing(draft_tokens, mx.argmax(verify_logits, axis=-1))
+
+
 def accept_sampled(
-    draft_tokens: mx.array,
-    verify_logits: mx.array,
-    draft_q: mx.array,
-    candidates: Optional[mx.array],
-    sampling: SamplingSettings,
+    draft_tokens: mx.array, verify_logits: mx.array, anchor_position: int, sampling: SamplingSettings, seed: int
 ) -> Verdict:
-    """Speculative sampling of ``draft_tokens`` [R] drawn from ``draft_q`` (dense [R, V], or [R, k]
-    over ``candidates`` [R, k]) against the target's ``verify_logits`` [R + 1, V].
-
-    Rule: keep draft i with probability min(1, p_i(d_i) / q_i(d_i)) while every earlier one was
-    kept; at the first refusal draw the bonus from normalize(max(p_i - q_i, 0)), and after a fully
-    kept block from p_R (``sampling.rejection_step``)."""
-    accepted, next_tokens = rejection_step(draft_tokens, probabilities(verify_logits, sampling), draft_q, candidates)
-    accepted = accepted.reshape(1)
-    return Verdict(accepted, mx.take(next_tokens, accepted))
+    """Sampled acceptance of ``draft_tokens`` [R] against ``verify_logits`` [R + 1, V] verifying the
+    block after the anchor at sequence position ``anchor_position``: row i predicts position
+    anchor_position + 1 + i, and the target's pick there is its keyed draw ``argmax(log p_i +
+    G_{anchor_position + 1 + i})``. Lossless: the emitted tokens are those draws, which plain
+    decoding with the same seed makes too; a draft d_i is kept with probability p_i(d_i)."""
+    return keep_agreeing(draft_tokens, keyed_draw(verify_logits, sampling, seed, anchor_position + 1))
 
 
-def plain_step_token(verify_logits: mx.array, sampling: SamplingSettings) -> mx.array:
-    """A plain step (no drafts): its one row [1, V] picked exactly as plain decoding picks it -> [1]."""
-    return mx.argmax(verify_logits, axis=-1) if sampling.greedy else sample(probabilities(verify_logits, sampling))
+def plain_step_token(verify_logits: mx.array, sampling: SamplingSettings, seed: int, position: int) -> mx.array:
+    """A plain step (no drafts): its one row [1, V], predicting sequence position ``position``, picked
+    exactly as plain decoding picks it -> [1]."""
+    if sampling.greedy:
+        return mx.argmax(verify_logits, axis=-1)
+    return keyed_draw(verify_logits, sampling, seed, position)
 
 
-# (draft tokens [R], verify logits [R + 1, V], draft q, candidates) -> Verdict
-AcceptRule = Callable[[mx.array, mx.array, Optional[mx.array], Optional[mx.array]], Verdict]
+# (draft tokens [R], verify logits [R + 1, V], the anchor's sequence position) -> Verdict
+AcceptRule = Callable[[mx.array, mx.array, int], Verdict]
 
 
-def accept_rule(sampling: SamplingSettings) -> AcceptRule:
-    """The request's rule for a block with drafts, chosen once: greedy prefix or speculative sampling."""
-    return accept_greedy if sampling.greedy else partial(accept_sampled, sampling=sampling)
+def accept_rule(sampling: SamplingSettings, seed: int) -> AcceptRule:
+    """The request's rule for a block with drafts, chosen once: greedy picks or keyed draws."""
+    return accept_greedy if sampling.greedy else partial(accept_sampled, sampling=sampling, seed=seed)

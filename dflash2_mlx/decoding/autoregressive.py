@@ -1,5 +1,6 @@
-"""Plain decoding: one target step per token. The baseline every speculative output must equal
-(greedy) or follow in distribution (sampled), with the same processing and events."""
+"""Plain decoding: one target step per token. The baseline every speculative output must equal,
+greedy or sampled (the same seed draws the same token at each position), with the same
+processing and events."""
 
 from __future__ import annotations
 
@@ -46,7 +47,7 @@ def generate_autoregressive(
             if grammar is not None:  # the next mask needs this token: read it while the step computes
                 mx.async_eval(logits)
                 grammar.commit([int(token.item())])
-            ahead = pick_token(logits[:, -1], lazy_history, settings, grammar)
+            ahead = pick_token(logits[:, -1], lazy_history, settings, len(history) + 1, grammar)
             mx.async_eval(ahead[0])
         t = int(token.item())
         logprobs = None

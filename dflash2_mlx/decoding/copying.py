@@ -7,10 +7,9 @@ key). The policy then decides how many of the tokens that followed it the next c
 instead of the drafter's block (``BlockPolicy.choose_copy``); a grammar cuts the copy where it
 refuses a token. After the request its answer joins the shared index.
 
-A copy draft is a deterministic proposal: greedy, a copied token is kept while it equals the
-target's argmax; sampled, it goes through the request's accept rule as a draft whose proposal
-puts all its mass on it (kept with the target's probability of it; at a refusal the bonus is
-drawn from the target's distribution without it). Both keep the output exactly the target's.
+A copy draft is a deterministic proposal: a copied token is kept while it equals the target's
+own pick there (greedy its argmax, sampled its keyed draw: kept with the target's probability of
+it), as any draft is (``acceptance``). The output stays exactly the target's.
 
 The lookup runs on the host, after the sync that reads the verdict: a cycle that may copy is not
 drafted ahead of that sync (``likely``), which costs a copy cycle nothing (it has no draft to
@@ -70,6 +69,5 @@ def copying_for(committed: list[int], enabled: bool, shared: Optional[TokenIndex
 
 
 def copy_draft(tokens: list[int]) -> Draft:
-    """The draft that verifies ``tokens`` [R]: for the sampled rule a proposal with q = 1 on each."""
-    drafts = mx.array(tokens, dtype=mx.int32)
-    return Draft(drafts, candidates=drafts[:, None], q=mx.ones((len(tokens), 1), dtype=mx.float32))
+    """The draft that verifies ``tokens`` [R]."""
+    return Draft(mx.array(tokens, dtype=mx.int32))

@@ -87,11 +87,12 @@ class SpeculativeRequest:
         self.sampling, self.logits_processors = settings.sampling, settings.logits_processors
         self.grammar, self.profiler = grammar_hooks(grammar), profiler_or_none(settings.profiler)
         self.feed = ContextFeed(drafter, context)
-        variant = pick_for(drafter, settings.sampling, grammar, settings.mask_drafts)
+        variant = pick_for(drafter, settings.sampling, grammar, settings.mask_drafts, settings.seed)
         self.drafting = Drafting(runner, drafter, self.feed, variant, self.profiler)
         self.taps = drafter.config.target_layer_ids
         self.hybrid = "gdn" in runner.kinds  # Gated DeltaNet state is rolled back by replaying inputs
-        self.accept_drafts = accept_rule(settings.sampling)
+        self.seed = settings.seed  # sampled: the key of the request's draws (setup.start_request)
+        self.accept_drafts = accept_rule(settings.sampling, settings.seed)
         self.none_accepted = mx.zeros((1,), dtype=mx.int32)  # a plain step's verdict, made once
         mx.eval(self.none_accepted)
         self.copying = copying_for(committed, settings.copy_drafting, settings.copy_index)
@@ -128,6 +129,7 @@ class SpeculativeRequest:
     def verify(self, anchor: mx.array, draft: Draft, pending: Sequence[mx.array] = ()) -> VerifyStep:
         """The target's pass over [anchor, d1..dR] (asked of the driver) and the verdict, launched.
         ``pending``: tokens [1] committed before the anchor but not read yet."""
+        anchor_position = len(self.committed) + len(pending) - 1  # row i predicts the one i + 1 after
         draft = self.drafting.resolve(draft)
         drafts = draft.tokens  # [R]
         verify_in = mx.concatenate([anchor, drafts])[None] if drafts.shape[0] else anchor.reshape(1, 1)
@@ -140,9 +142,10 @@ class SpeculativeRequest:
         logits = self.grammar.mask_verify(logits, drafts)
         self.profiler.mark("verify", logits, result.features)
         if drafts.shape[0]:
-            verdict = self.accept_drafts(drafts, logits, draft.q, draft.candidates)
+            verdict = self.accept_drafts(drafts, logits, anchor_position)
         else:  # a plain step picks from its one row exactly as plain decoding does
-            verdict = Verdict(self.none_accepted, plain_step_token(logits, self.sampling))
+            token = plain_step_token(logits, self.sampling, self.seed, anchor_position + 1)
+            verdict = Verdict(self.none_accepted, token)
         # Launched as soon as built, so the pass computes in the resumption that built it (the
         # cycle clock charges it there; on the CPU backend this waits for most of it)
         mx.async_eval(verdict.accepted, verdict.bonus, result.features)

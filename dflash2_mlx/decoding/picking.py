@@ -11,15 +11,21 @@ from typing import Optional, Union
 
 import mlx.core as mx
 
-from dflash2_mlx.decoding.sampling import apply_processors, probabilities, sample
+from dflash2_mlx.decoding.sampling import apply_processors, keyed_draw
 from dflash2_mlx.decoding.types import GenerationSettings
 
 
 def pick_token(
-    logits: mx.array, history: Union[list[int], mx.array, None], settings: GenerationSettings, grammar=None
+    logits: mx.array,
+    history: Union[list[int], mx.array, None],
+    settings: GenerationSettings,
+    position: int,
+    grammar=None,
 ) -> tuple[mx.array, mx.array]:
-    """(the next token [1], the processed logits [1, V]) from one row of logits [1, V]. ``history``
-    is what the logits processors see; ``grammar`` (anything with ``mask_next``) masks the row."""
+    """(the next token [1], the processed logits [1, V]) from one row of logits [1, V] predicting
+    sequence position ``position`` (sampled: the request's keyed draw there, ``settings.seed`` as
+    ``setup.start_request`` resolved it). ``history`` is what the logits processors see;
+    ``grammar`` (anything with ``mask_next``) masks the row."""
     if settings.logits_processors:
         if not isinstance(history, mx.array):
             history = mx.array(history, dtype=mx.int32)
@@ -28,7 +34,7 @@ def pick_token(
         logits = grammar.mask_next(logits)
     if settings.sampling.greedy:
         return mx.argmax(logits, axis=-1), logits
-    return sample(probabilities(logits, settings.sampling)), logits
+    return keyed_draw(logits, settings.sampling, settings.seed, position), logits
 
 
 def token_logprobs(logits: mx.array, tokens: mx.array, n: int):

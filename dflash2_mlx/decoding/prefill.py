@@ -106,7 +106,7 @@ def prefill_and_pick(
                 yield GenerationEvent([], "", elapsed=time.perf_counter() - out.t_start)
     except Cancelled:
         return None
-    token, processed = pick_token(logits, list(prompt), settings, grammar)
+    token, processed = pick_token(logits, list(prompt), settings, len(prompt), grammar)
     mx.eval(token)
     out.stats.prefill_seconds = time.perf_counter() - out.t_start
     return cache, context, token, processed

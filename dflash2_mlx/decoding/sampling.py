@@ -1,14 +1,22 @@
-"""Logits processing shared by speculative and plain decoding, and exact rejection sampling.
+"""Logits processing shared by speculative and plain decoding, and the request's keyed draws.
 
 The target's distribution p is defined once, here, and both decoders use it: speculative
 decoding is lossless only if it accepts against exactly the distribution plain decoding samples
 from.
+
+Draws are Gumbel-max with noise keyed by (seed, absolute position): the token at sequence
+position n is ``argmax(log p + G_n)``, with ``G_n`` [V] standard Gumbel noise that depends on the
+request's seed and n only (``gumbel``). That is exactly a draw from p, and it is the same draw
+whoever computes it: plain decoding, a verify row predicting position n, or a plain step of the
+speculative loop. So a seed reproduces a request whatever block sizes ran and whatever else ran
+in between, and sampled speculative output equals plain sampled output token for token.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable, Optional, Sequence
+from functools import partial
+from typing import Callable, Optional, Sequence, Union
 
 import mlx.core as mx
 
@@ -62,9 +70,62 @@ def probabilities(logits: mx.array, s: SamplingSettings) -> mx.array:
     return probs
 
 
-def sample(probs: mx.array) -> mx.array:
-    """One token per row from probability rows [..., V]."""
-    return mx.random.categorical(mx.log(probs))
+def request_seed(seed: Optional[int]) -> int:
+    """The key of a request's draws: its seed (any int, taken mod 2**64), or for an unseeded request
+    one drawn from MLX's global random state (so ``mx.random.seed`` still repeats those)."""
+    if seed is not None:
+        return seed % 2**64
+    words = mx.random.randint(0, 1 << 16, (4,)).tolist()  # exact: 16 bits each (randint is float-based)
+    return sum(w << (16 * i) for i, w in enumerate(words))
+
+
+def _splitmix64(x: int) -> int:
+    x = (x + 0x9E3779B97F4A7C15) & 0xFFFFFFFFFFFFFFFF
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & 0xFFFFFFFFFFFFFFFF
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & 0xFFFFFFFFFFFFFFFF
+    return x ^ (x >> 31)
+
+
+def _mix32(x: mx.array) -> mx.array:
+    """A 32-bit integer bijection with strong avalanche (lowbias32), on uint32 arrays."""
+    x = x ^ (x >> 16)
+    x = x * 0x7FEB352D
+    x = x ^ (x >> 15)
+    x = x * 0x846CA68B
+    return x ^ (x >> 16)
+
+
+def gumbel(seed: int, positions: Union[int, mx.array], rows: int, ids: Union[int, mx.array]) -> mx.array:
+    """Standard Gumbel noise [rows, C] (float32) for the sequence positions ``positions`` + 0..rows-1
+    (an int, or an integer array [1] or [] that may still be computing) at token ``ids`` (an int V:
+    ids 0..V-1; an array [C] of ids; or [rows, C], each row's own). The value at (n, id) depends on
+    (seed, n, id) only.
+
+    Counter-based: a keyed hash of the id, mixed with a keyed hash of the position, then
+    ``-log(-log(u))`` of a uniform u in (0, 1) from 23 of its bits (what MLX's own Gumbel uses)."""
+    key = _splitmix64(seed)
+    k_id, k_pos = key & 0xFFFFFFFF, key >> 32
+    ids = mx.arange(ids, dtype=mx.uint32) if isinstance(ids, int) else ids.astype(mx.uint32)
+    first = positions if isinstance(positions, int) else positions.reshape(()).astype(mx.uint32)
+    at = first + mx.arange(rows, dtype=mx.uint32)
+    row = _mix32(_mix32(at ^ k_pos) + 0x632BE5AB)  # [rows]
+    return _gumbel_rows(_mix32((ids.reshape(-1, ids.shape[-1]) * 0x9E3779B9) ^ k_id), row)
+
+
+@partial(mx.compile, shapeless=True)
+def _gumbel_rows(mixed_ids: mx.array, row_keys: mx.array) -> mx.array:
+    """[1 or rows, C] keyed ids x [rows] keyed positions -> Gumbel noise [rows, C] (fused)."""
+    bits = _mix32(mixed_ids ^ row_keys[:, None])
+    u = ((bits >> 9).astype(mx.float32) + 0.5) * (1.0 / (1 << 23))
+    return -mx.log(-mx.log(u))
+
+
+def keyed_draw(logits: mx.array, s: SamplingSettings, seed: int, first_position) -> mx.array:
+    """The tokens [R] drawn from rows [R, V] of logits predicting sequence positions
+    first_position + 0..R-1: each row's ``argmax(log p + G_n)`` (tokens with p = 0 are -inf, never
+    drawn)."""
+    rows, vocab = logits.shape
+    return mx.argmax(mx.log(probabilities(logits, s)) + gumbel(seed, first_position, rows, vocab), axis=-1)
 
 
 def apply_processors(processors: Sequence[LogitsProcessor], history: mx.array, logits: mx.array) -> mx.array:
@@ -83,37 +144,3 @@ def apply_processors(processors: Sequence[LogitsProcessor], history: mx.array, l
             row = proc(seen, row)
         rows.append(row)
     return mx.concatenate(rows, axis=0)
-
-
-def rejection_step(
-    draft_tokens: mx.array,
-    p: mx.array,
-    q: mx.array,
-    candidates: Optional[mx.array] = None,
-) -> tuple[mx.array, mx.array]:
-    """Speculative sampling for one block, fully on device (one host sync reads the result).
-
-    draft_tokens [R]; p [R + 1, V] target probabilities; q either dense [R, V] (DFlash 1) or
-    sparse [R, k] over ``candidates`` [R, k] (DFlash 2). Accept d_i with probability
-    min(1, p_i(d_i) / q_i(d_i)); at the first rejection draw from normalize(max(p_i - q_i, 0));
-    if all are accepted draw the bonus from p_R.
-
-    Returns (accepted count [], next token per possible stopping row [R + 1]): the caller reads
-    ``accepted`` and takes ``next_tokens[accepted]``.
-    """
-    rows = draft_tokens.shape[0]
-    p_draft = mx.take_along_axis(p[:rows], draft_tokens[:, None], axis=-1)[:, 0]
-    if candidates is None:
-        q_full = q
-    else:
-        q_full = mx.put_along_axis(mx.zeros_like(p[:rows]), candidates, q.astype(mx.float32), axis=-1)
-    q_draft = mx.take_along_axis(q_full, draft_tokens[:, None], axis=-1)[:, 0]
-    u = mx.random.uniform(shape=(rows,))
-    ok = (u * q_draft < p_draft).astype(mx.int32)  # u < p/q without dividing by q = 0
-    accepted = mx.sum(mx.cumprod(ok))
-    residual = mx.maximum(p[:rows] - q_full, 0.0)
-    total = mx.sum(residual, axis=-1, keepdims=True)
-    # p == q exactly leaves no residual mass; rejection then has probability 0, use p.
-    residual = mx.where(total > 0, residual / mx.maximum(total, 1e-30), p[:rows])
-    next_tokens = sample(mx.concatenate([residual, p[rows:]], axis=0))
-    return accepted, next_tokens

@@ -1,5 +1,6 @@
 """What both loops do before their first token: check the prompt, clip max tokens to the
-context, seed, and make the statistics and the output collector."""
+context, key the request's draws (its seed, or one drawn for it), and make the statistics and the
+output collector."""
 
 from __future__ import annotations
 
@@ -7,9 +8,8 @@ import dataclasses
 import time
 from typing import Sequence
 
-import mlx.core as mx
-
 from dflash2_mlx.decoding.output import OutputCollector
+from dflash2_mlx.decoding.sampling import request_seed
 from dflash2_mlx.decoding.types import GenerationSettings, GenerationStats, PromptTooLong
 from dflash2_mlx.models.target import TargetRunner
 
@@ -29,11 +29,11 @@ def check_prompt(prompt: Sequence[int], runner: TargetRunner, settings: Generati
 def start_request(
     runner: TargetRunner, prompt: Sequence[int], settings: GenerationSettings, tokenizer
 ) -> tuple[GenerationSettings, GenerationStats, OutputCollector]:
-    """Checks, seed, statistics and the output collector (its clock starts now)."""
+    """Checks, the draws' key, statistics and the output collector (its clock starts now)."""
     max_tokens = check_prompt(prompt, runner, settings)
     if max_tokens != settings.max_tokens:
         settings = dataclasses.replace(settings, max_tokens=max_tokens)
-    if settings.seed is not None:
-        mx.random.seed(settings.seed)
+    if not settings.sampling.greedy:  # the key of the request's draws (sampling.request_seed)
+        settings = dataclasses.replace(settings, seed=request_seed(settings.seed))
     stats = GenerationStats(prompt_tokens=len(prompt))
     return settings, stats, OutputCollector(settings, tokenizer, stats, time.perf_counter())
