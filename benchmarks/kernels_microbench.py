@@ -64,7 +64,6 @@ def main(argv=None) -> int:
         choices=["float32", "float16", "bfloat16"],
         help="dtype of the conv input x (codebooks stay float32)",
     )
-    ap.add_argument("--temperature", type=float, default=0.7)
     ap.add_argument("--iters", type=int, default=50)
     ap.add_argument("--warmup", type=int, default=5)
     ap.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
@@ -85,16 +84,13 @@ def main(argv=None) -> int:
     hidden = mx.random.normal((n, rows, r), key=ks[6])
     cb = mx.random.normal((2, v, r), key=ks[7]) * (r**-0.5)
     pred_cb, succ_cb = cb[0], cb[1]
-    uniforms = mx.random.uniform(shape=(n, rows), key=key)
-    mx.eval(x, dyn, base, anchor, cand, unary, hidden, pred_cb, succ_cb, uniforms)
+    mx.eval(x, dyn, base, anchor, cand, unary, hidden, pred_cb, succ_cb)
 
     conv_args = (x, dyn, base)
     pair_args = (anchor, cand, unary, hidden, pred_cb, succ_cb)
-    samp_args = pair_args + (uniforms, args.temperature)
     cases = {
         "two_tap_conv": (reference.reference_two_tap_conv, conv_args),
         "select_greedy": (reference.reference_select_greedy, pair_args),
-        "select_sampled": (reference.reference_select_sampled, samp_args),
     }
 
     metal = kernels._metal_device() and not kernels._forced_reference()

@@ -171,21 +171,19 @@ def test_shim_rejects_half_arithmetic():
 
 
 def test_generated_signature_mirrors_mlx():
-    spec = plans.KERNEL_SPECS["select_sampled"]
+    spec = plans.KERNEL_SPECS["select_greedy"]
     body = plans.load_source(spec)
     rng = np.random.default_rng(0)
-    args = _pair_args(rng, 2, 3, 4, 8, 50) + [mx.zeros((2, 3)), 0.5]
-    plan = plans.plan_select_sampled(*args)
+    args = _pair_args(rng, 2, 3, 4, 8, 50)
+    plan = plans.plan_select_greedy(*args)
     text, _, uses_barrier = harness.generate(spec, body, plan.inputs, plan.output_dtypes, [])
     assert uses_barrier
-    assert "void custom_kernel_dflash2_pair_sampled(" in text
+    assert "void custom_kernel_dflash2_pair_greedy(" in text
     assert "const constant int32_t* anchor" in text  # 2 elements < 8: constant address space
     assert "const device int32_t* candidates" in text
     assert "const constant int* candidates_shape" in text
-    assert "const constant float* temperature" in text
-    assert "device float* q" in text and "device int32_t* path" in text
+    assert "device float* scores" in text and "device int32_t* path" in text
     assert "uint3 threadgroup_position_in_grid" in text
-    assert "#define DFLASH2_PAIR_SAMPLED 1" in text
     conv = plans.KERNEL_SPECS["two_tap_conv"]
     x = mx.zeros((1, 2, 16), mx.bfloat16)
     conv_plan = plans.plan_two_tap_conv(x, mx.zeros((1, 2, 2, 1)), mx.zeros((2, 16)))
@@ -279,7 +277,6 @@ def test_unsupported_shapes_have_no_kernel_plan():
     bad = list(pair)
     bad[3] = mx.zeros((2, 3, 9))  # rank differs from the codebooks'
     assert plans.plan_select_greedy(*bad) is None
-    assert plans.plan_select_sampled(*pair, mx.zeros((2, 4)), 1.0) is None  # uniforms shape
 
 
 def test_conv_other_tap_counts_fall_back_to_reference():
@@ -295,7 +292,7 @@ def test_conv_other_tap_counts_fall_back_to_reference():
 
 
 # ---------------------------------------------------------------------------------------------
-# Pair scores: greedy and sampled walks
+# Pair scores: the greedy walk
 # ---------------------------------------------------------------------------------------------
 
 PAIR_SHAPES = [  # (N, R, k, r, V)
@@ -354,42 +351,6 @@ def test_greedy_ties_take_the_first_maximum():
     args[3] = mx.zeros_like(args[3])
     args[2] = mx.zeros_like(args[2])
     np.testing.assert_array_equal(np.array(harness.select_greedy(*args)), np.array(args[1][:, :, 0]))
-
-
-@pytest.mark.parametrize("shape", PAIR_SHAPES, ids=lambda s: "x".join(map(str, s)))
-def test_sampled_matches_reference(shape):
-    rng = np.random.default_rng(9)
-    args = _pair_args(rng, *shape)
-    n, rows = shape[:2]
-    for temperature in (0.25, 1.0, 3.0):
-        uniforms = mx.array(rng.random((n, rows)).astype(np.float32))
-        got_path, got_q = harness.select_sampled(*args, uniforms, temperature)
-        want_path, want_q = reference.reference_select_sampled(*args, uniforms, temperature)
-        assert not harness.compare_paths(got_path, want_path), temperature
-        assert not harness.compare_q(got_q, want_q), temperature
-
-
-def test_sampled_edges_clamp_and_ties():
-    rng = np.random.default_rng(10)
-    args = _pair_args(rng, 3, 6, 16, 64, 300)
-    for value in (0.0, 2.0):  # 2.0 > every cdf: the choice is clamped to k - 1
-        uniforms = mx.full((3, 6), value, mx.float32)
-        got_path, got_q = harness.select_sampled(*args, uniforms, 0.7)
-        want_path, want_q = reference.reference_select_sampled(*args, uniforms, 0.7)
-        assert not harness.compare_paths(got_path, want_path)
-        assert not harness.compare_q(got_q, want_q)
-    uniforms = mx.full((3, 6), 2.0, mx.float32)
-    np.testing.assert_array_equal(
-        np.array(harness.select_sampled(*args, uniforms, 0.7)[0]), np.array(args[1][:, :, -1])
-    )
-    # exact ties in q with integer data, bf16 uniforms and an mx.array temperature
-    args = _tie_args(rng)
-    uniforms = mx.array(rng.random((4, 9)).astype(np.float32)).astype(mx.bfloat16)
-    temperature = mx.array(0.5)
-    got_path, got_q = harness.select_sampled(*args, uniforms, temperature)
-    want_path, want_q = reference.reference_select_sampled(*args, uniforms, temperature)
-    assert not harness.compare_paths(got_path, want_path)
-    assert not harness.compare_q(got_q, want_q)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -475,22 +436,6 @@ def test_divergent_barrier_is_an_error():
         harness.run_kernel("select_greedy", *args, source=wrong)
 
 
-def test_wrong_sampled_kernels_are_detected():
-    rng = np.random.default_rng(16)
-    args = _pair_args(rng, 2, 6, 16, 32, 100)
-    uniforms = mx.full((2, 6), 2.0, mx.float32)
-    want_path, want_q = reference.reference_select_sampled(*args, uniforms, 0.7)
-    wrong = _mutate("select_sampled", "below < K - 1 ? below : K - 1", "below")  # no clamp
-    got_path, _ = harness.run_kernel("select_sampled", *args, uniforms, 0.7, source=wrong)
-    assert harness.compare_paths(got_path, want_path)
-    wrong = _mutate(
-        "select_sampled", "scores[srow + b] / temp - m) / total", "scores[srow + b] * temp - m) / total"
-    )  # temperature applied wrongly
-    uniforms = mx.array(rng.random((2, 6)).astype(np.float32))
-    _, got_q = harness.run_kernel("select_sampled", *args, uniforms, 0.7, source=wrong)
-    assert harness.compare_q(got_q, reference.reference_select_sampled(*args, uniforms, 0.7)[1])
-
-
 # ---------------------------------------------------------------------------------------------
 # Dispatcher
 # ---------------------------------------------------------------------------------------------
@@ -517,11 +462,6 @@ def test_reference_on_this_machine(monkeypatch):
     np.testing.assert_array_equal(
         np.array(kernels.select_greedy(*pair)), np.array(reference.reference_select_greedy(*pair))
     )
-    uniforms = mx.array(rng.random((2, 5)).astype(np.float32))
-    for got, want in zip(
-        kernels.select_sampled(*pair, uniforms, 0.9), reference.reference_select_sampled(*pair, uniforms, 0.9)
-    ):
-        np.testing.assert_array_equal(np.array(got), np.array(want))
 
 
 def test_override_routes_calls_and_restores():
@@ -558,25 +498,20 @@ def test_override_routes_calls_and_restores():
 def test_env_var_forces_reference(monkeypatch):
     monkeypatch.setenv(kernels.ENV_VAR, "reference")
     assert set(kernels.active_kernels().values()) == {"reference"}
-    with kernels.override(select_sampled=lambda *a: None):
-        assert kernels.active_kernels()["select_sampled"] == "override"  # tests still route
+    with kernels.override(select_greedy=lambda *a: None):
+        assert kernels.active_kernels()["select_greedy"] == "override"  # tests still route
 
 
 def test_public_functions_through_the_harness():
     rng = np.random.default_rng(18)
     conv = _conv_args(rng, 2, 16, 5120, 320, mx.bfloat16)
     pair = _pair_args(rng, 2, 15, 16, 256, 1000)
-    uniforms = mx.array(rng.random((2, 15)).astype(np.float32))
     with kernels.override(**harness.harness_kernels()):
         assert set(kernels.active_kernels().values()) == {"override"}
         got_conv = kernels.two_tap_conv(*conv)
         got_greedy = kernels.select_greedy(*pair)
-        got_path, got_q = kernels.select_sampled(*pair, uniforms, 0.8)
     assert not harness.compare_conv(got_conv, *conv)
     assert not harness.compare_paths(got_greedy, reference.reference_select_greedy(*pair))
-    want_path, want_q = reference.reference_select_sampled(*pair, uniforms, 0.8)
-    assert not harness.compare_paths(got_path, want_path)
-    assert not harness.compare_q(got_q, want_q)
 
 
 @pytest.fixture
@@ -691,14 +626,12 @@ def test_self_check_rejects_a_kernel_that_fails_to_launch_or_is_off_by_a_percent
 
     assert selfcheck.check_kernel("two_tap_conv", mx.float32, broken).startswith("RuntimeError: Unable to build")
 
-    def off(plan):  # the float output (conv: out; sampled: q) 1% off, paths untouched
+    def off(plan):  # the conv's output 1% off
         outs = list(harness.run(plan))
-        i = 0 if plan.kernel == "two_tap_conv" else 1
-        outs[i] = outs[i] * 1.01
+        outs[0] = outs[0] * 1.01
         return outs
 
     assert "max abs error" in selfcheck.check_kernel("two_tap_conv", mx.float32, off)
-    assert "q max abs error" in selfcheck.check_kernel("select_sampled", mx.float32, off)
 
 
 def test_self_check_computes_its_reference_on_the_cpu_stream(monkeypatch):
@@ -727,7 +660,7 @@ def test_a_kernel_failing_for_one_dtype_is_disabled_for_that_dtype_only(simulate
     with pytest.warns(RuntimeWarning, match="two_tap_conv.*bfloat16"):
         active = kernels.prepare([mx.float32, mx.bfloat16])
     assert active["two_tap_conv"] == "metal (reference for bfloat16)"
-    assert active["select_greedy"] == active["select_sampled"] == "metal"
+    assert active["select_greedy"] == "metal"
     checks = kernels.self_checks()
     assert checks["two_tap_conv"]["float32"] == "pass" and checks["two_tap_conv"]["bfloat16"].startswith("fail")
     rng = np.random.default_rng(3)

@@ -15,8 +15,10 @@ as its ``dflash_generate`` does. The block's token embeddings come from a random
 scaled by ``input_embedding_scale`` the way each side's generation loop does it.
 
 DFlash 2 selector: greedy paths must equal ``propose(..., temperature=0)``; for sampling the
-reference draws internally, so for the path it drew we make our selector walk the same path and
-compare the proposal rows q as maps token id -> probability (candidates come in no fixed order).
+reference draws internally, so along the path it drew we compare its proposal rows q with the
+softmax of our pair scores over the same predecessors, as maps token id -> probability
+(candidates come in no fixed order): the selector's scores, not only their argmax, are the
+reference's (our sampled drafting walks them greedily with noise, ``decoding/drafting.py``).
 
 Without the parity extra (torch, transformers) and z-lab's `dflash` the module skips; CI installs
 them (`pip install -e '.[test,parity]'` and `pip install --no-deps dflash==0.1.0`) and `.ci/run`
@@ -227,21 +229,18 @@ def _maxdiff(a: mx.array, b: torch.Tensor) -> float:
 
 
 def _our_q_along(selector, hidden, logits, anchor, temperature, path):
-    """Our candidates and q rows when our sampled walk follows ``path`` (the reference's draw).
-
-    q_i depends only on the predecessor, so the uniforms are fixed row by row: u_i is the middle
-    of the CDF interval of path[i] in our own q_i (inverse-CDF selection, see kernels/reference.py)."""
-    rows = len(path)
-    uniforms = np.full((1, rows), 0.5, dtype=np.float32)
-    for i in range(rows):
-        _, candidates, q = selector.sampled(hidden, logits, anchor, temperature, mx.array(uniforms))
-        cand_i, q_i = np.array(candidates[0, i]).tolist(), np.array(q[0, i]).astype(np.float64)
-        assert path[i] in cand_i, f"row {i}: reference token {path[i]} is not among our candidates {cand_i}"
-        j = cand_i.index(path[i])
-        uniforms[0, i] = q_i[:j].sum() + 0.5 * q_i[j]
-    tokens, candidates, q = selector.sampled(hidden, logits, anchor, temperature, mx.array(uniforms))
-    assert np.array(tokens[0]).tolist() == list(path)
-    return np.array(candidates[0]), np.array(q[0])
+    """Our candidates and the softmax of our pair scores / T along ``path`` (the reference's
+    draw): row i's scores after the candidate slot that row i - 1 took (row 0: the anchor)."""
+    candidates, pairs = selector.pair_scores(hidden, logits, anchor)
+    candidates, pairs = np.array(candidates[0]), np.array(pairs[0]).astype(np.float64)
+    q, slot = [], 0
+    for i, token in enumerate(path):
+        cand_i = candidates[i].tolist()
+        assert token in cand_i, f"row {i}: reference token {token} is not among our candidates {cand_i}"
+        scores = pairs[i, slot] / temperature
+        q.append(np.exp(scores - scores.max()) / np.exp(scores - scores.max()).sum())
+        slot = cand_i.index(token)
+    return candidates, np.array(q)
 
 
 def _compare_selector(pair: _Pair, h_ours, l_ours, h_ref, ids, harness: _Harness, temperature: float):

@@ -1,7 +1,7 @@
 """What callers use: the kernel functions, routed to an override, a fused Metal kernel or the reference.
 
-The public functions ``two_tap_conv``, ``select_greedy`` and ``select_sampled`` (specified in
-``reference.py``) run, in order of precedence:
+The public functions ``two_tap_conv`` and ``select_greedy`` (specified in ``reference.py``)
+run, in order of precedence:
 
 1. an implementation installed with :func:`override` (tests route the engine through the CPU
    harness that compiles the ``.metal`` bodies with g++);
@@ -45,7 +45,6 @@ __all__ = [
     "override",
     "prepare",
     "select_greedy",
-    "select_sampled",
     "self_checks",
     "two_tap_conv",
 ]
@@ -184,29 +183,11 @@ def select_greedy(
     )
 
 
-def select_sampled(
-    anchor: mx.array,
-    candidates: mx.array,
-    unary: mx.array,
-    hidden: mx.array,
-    predecessor_codebook: mx.array,
-    successor_codebook: mx.array,
-    uniforms: mx.array,
-    temperature: float,
-) -> tuple[mx.array, mx.array]:
-    """Sampled path plus each row's proposal distribution q over its k candidates."""
-    return _dispatch(
-        "select_sampled",
-        (anchor, candidates, unary, hidden, predecessor_codebook, successor_codebook, uniforms, temperature),
-    )
-
-
 @contextlib.contextmanager
 def override(
     *,
     two_tap_conv: Callable | None = None,
     select_greedy: Callable | None = None,
-    select_sampled: Callable | None = None,
 ) -> Iterator[None]:
     """Route the public kernel functions through other implementations inside a ``with`` block.
 
@@ -220,7 +201,6 @@ def override(
         for name, fn in (
             ("two_tap_conv", two_tap_conv),
             ("select_greedy", select_greedy),
-            ("select_sampled", select_sampled),
         )
         if fn is not None
     }

@@ -22,7 +22,6 @@ __all__ = [
     "Plan",
     "load_source",
     "plan_select_greedy",
-    "plan_select_sampled",
     "plan_two_tap_conv",
 ]
 
@@ -50,23 +49,6 @@ KERNEL_SPECS: dict[str, KernelSpec] = {
         filename="pair_scores.metal",
         input_names=("anchor", "candidates", "unary", "hidden", "pred_cb", "succ_cb"),
         output_names=("path", "scores"),
-        header="#define DFLASH2_PAIR_SAMPLED 0\n",
-    ),
-    "select_sampled": KernelSpec(
-        name="dflash2_pair_sampled",
-        filename="pair_scores.metal",
-        input_names=(
-            "anchor",
-            "candidates",
-            "unary",
-            "hidden",
-            "pred_cb",
-            "succ_cb",
-            "uniforms",
-            "temperature",
-        ),
-        output_names=("path", "q", "scores"),
-        header="#define DFLASH2_PAIR_SAMPLED 1\n",
     ),
 }
 
@@ -177,53 +159,9 @@ def plan_select_greedy(anchor, candidates, unary, hidden, predecessor_codebook, 
     )
 
 
-def plan_select_sampled(
-    anchor,
-    candidates,
-    unary,
-    hidden,
-    predecessor_codebook,
-    successor_codebook,
-    uniforms,
-    temperature,
-) -> Plan | None:
-    """Launch plan of the fused sampled pair-score walk, or None (reference ops)."""
-    prepared = _pair_inputs(anchor, candidates, unary, hidden, predecessor_codebook, successor_codebook)
-    if prepared is None:
-        return None
-    inputs, (n, rows, k), threads = prepared
-    if tuple(uniforms.shape) != (n, rows):
-        return None
-    if isinstance(temperature, mx.array):
-        if temperature.size != 1:
-            return None
-        temp = temperature.reshape(1).astype(mx.float32)
-    else:
-        temp = mx.array([float(temperature)], dtype=mx.float32)
-    inputs = inputs + [_as_float(uniforms), temp]
-    out_dtype = candidates.dtype
-
-    def finish(outs):
-        path = outs[0]
-        path = path if out_dtype == mx.int32 else path.astype(out_dtype)
-        return path, outs[1]
-
-    return Plan(
-        kernel="select_sampled",
-        inputs=inputs,
-        template=[],
-        grid=(threads, n, 1),
-        threadgroup=(threads, 1, 1),
-        output_shapes=[(n, rows), (n, rows, k), (n, rows, k, k)],
-        output_dtypes=[mx.int32, mx.float32, mx.float32],
-        finish=finish,
-    )
-
-
 PLANNERS: dict[str, Callable[..., Plan | None]] = {
     "two_tap_conv": plan_two_tap_conv,
     "select_greedy": plan_select_greedy,
-    "select_sampled": plan_select_sampled,
 }
 
 

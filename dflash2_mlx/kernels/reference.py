@@ -15,11 +15,8 @@ R selector rows, k candidates per row, r selector rank, V vocabulary):
   predecessor_codebook [V, r], successor_codebook [V, r]) -> path [N, R]``
   Row i scores candidate b after predecessor a as
   ``unary[i, b] + sum(predecessor_codebook[a] * hidden[i] * successor_codebook[b])``;
-  the walk starts at the anchor and takes the first maximum of each row.
-- ``select_sampled(..., uniforms [N, R], temperature) -> (path [N, R], q [N, R, k])``
-  q_i = softmax(scores_i / temperature) over the k candidates, and the chosen index is the first
-  j with ``cumsum(q_i)[j] > u_i`` (inverse CDF with a pre-drawn uniform, so a kernel and the
-  reference agree draw for draw).
+  the walk starts at the anchor and takes the first maximum of each row. Sampled drafting runs
+  the same walk on noised unary scores (``decoding/drafting.py``), so it needs no kernel of its own.
 """
 
 from __future__ import annotations
@@ -34,12 +31,11 @@ __all__ = [
     "REFERENCES",
     "pair_scores",
     "reference_select_greedy",
-    "reference_select_sampled",
     "reference_two_tap_conv",
 ]
 
 # The operations that have a fused kernel, in the order tools list them.
-KERNEL_NAMES = ("two_tap_conv", "select_greedy", "select_sampled")
+KERNEL_NAMES = ("two_tap_conv", "select_greedy")
 
 
 def reference_two_tap_conv(x: mx.array, dynamic: mx.array, base: mx.array) -> mx.array:
@@ -74,19 +70,6 @@ def pair_scores(anchor, candidates, unary, hidden, predecessor_codebook, success
     return unary.astype(mx.float32)[:, :, None, :] + left @ succ.swapaxes(-1, -2)
 
 
-def _walk(pairs, choose):
-    """Follow the rows from predecessor slot 0 (the anchor): ``choose(i, scores [N, 1, 1, k])``
-    returns the chosen index [N, 1, 1, 1]; row i's scores are those after the candidate chosen
-    in row i-1 -> chosen indices [N, R]."""
-    n, rows, k, _ = pairs.shape
-    choice = mx.zeros((n, 1, 1, 1), dtype=mx.uint32)
-    chosen = []
-    for i, row in enumerate(mx.split(pairs, rows, axis=1)):  # row: [N, 1, k, k]
-        choice = choose(i, mx.take_along_axis(row, choice, axis=2))
-        chosen.append(choice)
-    return mx.concatenate(chosen, axis=1).reshape(n, rows)
-
-
 def reference_select_greedy(
     anchor: mx.array,
     candidates: mx.array,
@@ -109,35 +92,7 @@ def reference_select_greedy(
     return mx.take_along_axis(candidates, mx.concatenate(chosen, axis=1), axis=-1)[..., 0]
 
 
-def reference_select_sampled(
-    anchor: mx.array,
-    candidates: mx.array,
-    unary: mx.array,
-    hidden: mx.array,
-    predecessor_codebook: mx.array,
-    successor_codebook: mx.array,
-    uniforms: mx.array,
-    temperature: float,
-) -> tuple[mx.array, mx.array]:
-    """Sampled path plus each row's proposal distribution q over its k candidates."""
-    k = candidates.shape[-1]
-    pairs = pair_scores(anchor, candidates, unary, hidden, predecessor_codebook, successor_codebook)
-    u = uniforms.astype(mx.float32).reshape(uniforms.shape[0], -1, 1, 1)
-    q_rows = []
-
-    def draw(i, scores):
-        q = mx.softmax(scores / temperature, axis=-1)
-        q_rows.append(q)
-        below = (mx.cumsum(q, axis=-1) <= u[:, i : i + 1]).astype(mx.int32)
-        return mx.minimum(mx.sum(below, axis=-1, keepdims=True), k - 1)
-
-    chosen = _walk(pairs, draw)
-    path = mx.take_along_axis(candidates, chosen[..., None], axis=-1)[..., 0]
-    return path, mx.concatenate(q_rows, axis=1).reshape(*candidates.shape)
-
-
 REFERENCES: dict[str, Callable] = {
     "two_tap_conv": reference_two_tap_conv,
     "select_greedy": reference_select_greedy,
-    "select_sampled": reference_select_sampled,
 }

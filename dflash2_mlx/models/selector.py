@@ -77,30 +77,3 @@ class CandidateSelector(nn.Module):
             self.predecessor_codebook,
             self.successor_codebook,
         )
-
-    def sampled(
-        self,
-        hidden: mx.array,
-        logits: mx.array,
-        anchor: mx.array,
-        temperature: float,
-        uniforms: mx.array,
-    ) -> tuple[mx.array, mx.array, mx.array]:
-        """Sampled path -> (draft tokens [N, R], candidates [N, R, k], q [N, R, k]).
-
-        q is the proposal distribution each token was drawn from: softmax(scores / T) over the
-        row's candidates given the sampled predecessor, with no top-p/top-k/min-p (as the
-        references do); rejection sampling needs exactly that.
-        """
-        candidates, unary = top_k_candidates(logits, self.top_k, self._vocab_ids)
-        tokens, q = kernels.select_sampled(
-            anchor,
-            candidates,
-            unary,
-            self.hidden_projection(hidden),
-            self.predecessor_codebook,
-            self.successor_codebook,
-            uniforms,
-            temperature,
-        )
-        return tokens, candidates, q

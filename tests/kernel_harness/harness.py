@@ -19,9 +19,9 @@ the system C++ compiler (g++) and run on the CPU:
    is given, runs every thread of the grid, checks guard bytes after each output (an
    out-of-bounds write fails the run) and returns the outputs as mx arrays.
 
-:func:`two_tap_conv`, :func:`select_greedy` and :func:`select_sampled` have the signatures of the
-public functions in ``dflash2_mlx.kernels.dispatch`` and can be installed with
-``kernels.override(**harness_kernels())``. What the harness cannot model: the Metal compiler and
+:func:`two_tap_conv` and :func:`select_greedy` have the signatures of the public functions in
+``dflash2_mlx.kernels.dispatch`` and can be installed with ``kernels.override(**harness_kernels())``.
+What the harness cannot model: the Metal compiler and
 its math library (exp accuracy, contraction into fma), bf16 emulation on M1/M2 GPUs, SIMD-group
 functions and threadgroup memory (bodies using them do not compile here). On a Mac every kernel
 also checks itself against the reference the first time it is used.
@@ -441,29 +441,6 @@ def select_greedy(anchor, candidates, unary, hidden, predecessor_codebook, succe
     )
 
 
-def select_sampled(
-    anchor,
-    candidates,
-    unary,
-    hidden,
-    predecessor_codebook,
-    successor_codebook,
-    uniforms,
-    temperature,
-):
-    return run_kernel(
-        "select_sampled",
-        anchor,
-        candidates,
-        unary,
-        hidden,
-        predecessor_codebook,
-        successor_codebook,
-        uniforms,
-        temperature,
-    )
-
-
 def harness_kernels(*, sources: dict[str, str] | None = None, reverse: bool = False) -> dict[str, Callable]:
     """Keyword arguments for ``kernels.override``: every public kernel through the harness
     (optionally with replaced body texts, keyed by kernel name)."""
@@ -515,13 +492,4 @@ def compare_paths(got: mx.array, want: mx.array) -> list[str]:
     if not np.array_equal(g, w):
         where = np.argwhere(g != w)[:5].tolist()
         return [f"paths differ at {where}: got {g[tuple(where[0])]} want {w[tuple(where[0])]}"]
-    return []
-
-
-def compare_q(got: mx.array, want: mx.array, tol: float = 1e-5) -> list[str]:
-    if tuple(got.shape) != tuple(want.shape) or got.dtype != want.dtype:
-        return [f"q shape/dtype {got.shape} {got.dtype} != {want.shape} {want.dtype}"]
-    err = float(np.max(np.abs(np.array(got) - np.array(want)))) if got.size else 0.0
-    if not np.isfinite(err) or err > tol:
-        return [f"q max abs error {err:.3g} > {tol:.3g}"]
     return []

@@ -1,14 +1,11 @@
 // Candidate selector: pair scores and the path walk in one dispatch (body for mx.fast.metal_kernel).
-// Specification: reference_select_greedy / reference_select_sampled in dflash2_mlx/kernels/reference.py.
-// The header defines DFLASH2_PAIR_SAMPLED as 0 (greedy kernel) or 1 (sampled kernel).
+// Specification: reference_select_greedy in dflash2_mlx/kernels/reference.py.
 //
 // Inputs : anchor [N] int32, candidates [N, R, K] int32, unary [N, R, K], hidden [N, R, D],
-//          pred_cb [V, D], succ_cb [V, D] (float dtypes, read as float32);
-//          sampled only: uniforms [N, R] (pre-drawn), temperature [1] float32.
-// Outputs: path [N, R] int32; sampled only: q [N, R, K] float32;
-//          scores [N, R, K, K] float32, scratch: scores[n, i, a, b] is the score of candidate b of
-//          row i after candidate a of row i - 1 (row 0 has one predecessor, the anchor, at a = 0;
-//          scores[n, 0, a > 0, :] is never written).
+//          pred_cb [V, D], succ_cb [V, D] (float dtypes, read as float32).
+// Outputs: path [N, R] int32; scores [N, R, K, K] float32, scratch: scores[n, i, a, b] is the
+//          score of candidate b of row i after candidate a of row i - 1 (row 0 has one
+//          predecessor, the anchor, at a = 0; scores[n, 0, a > 0, :] is never written).
 // Grid   : (TPG, N, 1) with threadgroup (TPG, 1, 1): one threadgroup per block n.
 //   Phase 1 (all threads): every pair score of the block, each work item a disjoint output.
 //   threadgroup_barrier(mem_device): the scores written by the group are visible to the group.
@@ -54,36 +51,10 @@ threadgroup_barrier(mem_flags::mem_device);
 
 // Phase 2: thread 0 walks the rows; a is the chosen candidate index of the previous row.
 if (tid == 0) {
-#if DFLASH2_PAIR_SAMPLED
-  const float temp = static_cast<float>(temperature[0]);
-#endif
   int a = 0;
   for (int i = 0; i < R; ++i) {
     const size_t srow = ((nr + size_t(i)) * size_t(K) + size_t(a)) * size_t(K);
     int choice = 0;
-#if DFLASH2_PAIR_SAMPLED
-    // q = softmax(scores / temperature); choice = #(cumsum(q) <= u), clamped to K - 1
-    // (the first j with cumsum(q)[j] > u: inverse CDF with a pre-drawn uniform).
-    float m = scores[srow] / temp;
-    for (int b = 1; b < K; ++b) {
-      m = metal::max(m, scores[srow + b] / temp);
-    }
-    float total = 0.0f;
-    for (int b = 0; b < K; ++b) {
-      total += metal::exp(scores[srow + b] / temp - m);
-    }
-    const float u = static_cast<float>(uniforms[nr + size_t(i)]);
-    const size_t qrow = (nr + size_t(i)) * size_t(K);
-    float cdf = 0.0f;
-    int below = 0;
-    for (int b = 0; b < K; ++b) {
-      const float qb = metal::exp(scores[srow + b] / temp - m) / total;
-      q[qrow + b] = qb;
-      cdf += qb;
-      below += (cdf <= u) ? 1 : 0;
-    }
-    choice = below < K - 1 ? below : K - 1;
-#else
     // First maximum (lowest index), as mx.argmax.
     float best = scores[srow];
     for (int b = 1; b < K; ++b) {
@@ -93,7 +64,6 @@ if (tid == 0) {
         choice = b;
       }
     }
-#endif
     path[nr + size_t(i)] = candidates[(nr + size_t(i)) * size_t(K) + size_t(choice)];
     a = choice;
   }
