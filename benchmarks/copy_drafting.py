@@ -39,6 +39,21 @@ from dflash2_mlx.models.loading import load_drafter, load_target
 
 PROMPTS = Path(__file__).parent / "prompts"
 MODES = ("plain", "default", "drafter")
+# A Mac's cycle costs in plain steps (DESIGN.md, "When speculation pays"): a verify pass of up to
+# 32 rows of a 27B 4-bit target about 1.15 steps (a flat curve), a drafter's block about 0.25 more.
+FLAT_VERIFY, DRAFTER_PASS = 1.15, 0.25
+
+
+def flat_curve_speedup(controller: dict) -> float:
+    """What the same cycles would give where verifying any block costs ``FLAT_VERIFY`` steps: the
+    tokens they emitted over their cost in plain steps (the controller would also choose longer
+    blocks there, so this is a floor at the acceptance measured here)."""
+    tokens = sum(controller["tokens_by_mode"].values())
+    plain = controller["block_sizes"].get("1", 0)
+    blocks = sum(n for b, n in controller["block_sizes"].items() if b != "1")
+    copies = sum(controller.get("copy_sizes", {}).values())
+    steps = plain + blocks * (FLAT_VERIFY + DRAFTER_PASS) + copies * FLAT_VERIFY
+    return tokens / steps if steps else 1.0
 
 
 def run_cell(target, drafter, lines, temperature: float, max_tokens: int, seed: int) -> dict:
@@ -86,10 +101,12 @@ def run_cell(target, drafter, lines, temperature: float, max_tokens: int, seed: 
                 total = by_source.setdefault(source, dict.fromkeys(counts, 0))
                 for k, n in counts.items():
                     total[k] += n
+        controller = merge_controller([s.controller for s in runs])
         cell[mode] = {
             "acceptance_length": sum(s.cycle_tokens for s in runs) / cycles if cycles else 1.0,
             "by_source": by_source,
-            "controller": merge_controller([s.controller for s in runs]),
+            "controller": controller,
+            "flat_curve_speedup": flat_curve_speedup(controller),
         }
     return cell
 
@@ -124,7 +141,8 @@ def main(argv=None) -> int:
                 f"acceptance {d['acceptance_length']:.2f} (drafter alone {a['acceptance_length']:.2f}); "
                 f"copy {d['by_source']['copy']['accepted']}/{d['by_source']['copy']['drafted']}, "
                 f"dflash {d['by_source']['dflash']['accepted']}/{d['by_source']['dflash']['drafted']}; "
-                f"identical {cell['identical']['default']}/{cell['prompts']}",
+                f"identical {cell['identical']['default']}/{cell['prompts']}; "
+                f"flat verify curve: {d['flat_curve_speedup']:.2f}x (drafter alone {a['flat_curve_speedup']:.2f}x)",
                 flush=True,
             )
     if args.json:
