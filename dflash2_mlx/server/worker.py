@@ -365,9 +365,7 @@ class Worker:
             settings = to_settings(job.params, self.tokenizer, job.cancel, job.prompt, self.block_size)
             shared = self.copy_indexes.for_key(job.client) if self.copy_indexes is not None else None
             # others step between its chunks; copies come from this client's own earlier answers
-            settings = replace(
-                settings, yield_during_prefill=True, copy_drafting=self.copy_drafting, copy_index=shared
-            )
+            settings = replace(settings, yield_during_prefill=True, copy_drafting=self.copy_drafting, copy_index=shared)
             runner, tok = self.target.runner, self.tokenizer
             if self.drafter is not None:
                 # its verify passes are answered by _step_group: alone, or batched with the others'
