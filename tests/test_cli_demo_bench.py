@@ -142,8 +142,10 @@ def test_bench_json_contract(tiny_checkpoints, tmp_path):
     assert sum(profile["shares"].values()) == pytest.approx(1.0) and profile["cycles"] > 0 and profile["ar_step_ms"] > 0
     assert set(out) == {"mean", "prompts"}
     mean, per = out["mean"], out["prompts"]
-    assert set(mean) == {"acceptance_length", "spec_decode_tps", "ar_decode_tps", "speedup", "controller"}
+    assert set(mean) == {"acceptance_length", "spec_decode_tps", "ar_decode_tps", "speedup", "by_source", "controller"}
     assert mean["controller"]["policy"] == "fixed" and set(mean["controller"]["block_sizes"]) <= {"2", "3", "4"}
+    # a pinned block size is the drafter alone: every drafted token is the drafter's
+    assert mean["by_source"]["copy"]["drafted"] == 0 and mean["by_source"]["dflash"]["cycles"] > 0
     assert len(per) == 3
     for p in per:
         assert set(p) == set(mean) | {"identical"}
