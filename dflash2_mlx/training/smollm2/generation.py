@@ -4,8 +4,8 @@ A batch of prompts is answered in one target pass per step, but no prompt ever s
 tokens or any padding: the prompts of one length are prefilled together (no padding needed),
 then every prompt decodes in one batch whose keys and values are left-padded into one buffer per
 layer, with an attention mask that hides each row's pad columns from its queries and RoPE at each
-row's own position (``_PaddedKV``, the cache interface ``TargetRunner`` reads, as for the
-engine's batched verify). So each answer equals the prompt answered alone within float rounding
+row's own position (``_PaddedKV``: mlx-lm's ``BatchKVCache`` with the per-row lengths the
+``TargetRunner`` reads, as for the engine's batched verify). So each answer equals the prompt answered alone within float rounding
 (``tests/test_smollm2_build.py`` pins it token for token against the engine's plain decoding,
 and the features of prompt + answer). An answer stops at its first end token (kept, as the
 engine emits it) or after ``max_tokens``; a stopped row leaves the batch. (Until issue 40 the
@@ -31,6 +31,7 @@ from typing import Iterable, Optional, Sequence
 
 import mlx.core as mx
 import numpy as np
+from mlx_lm.models.cache import BatchKVCache, KVCache
 
 from dflash2_mlx.decoding.sampling import SamplingSettings, probabilities
 
@@ -123,49 +124,29 @@ def _answer_equal(runner, prompts, rows: list[int], max_tokens: int, draws: _Dra
     return [np.array(a, dtype=np.int32) for a in answers]
 
 
-class _PaddedKV:
-    """One attention layer's keys and values of a batch of prompts in one buffer [N, H, W, D],
-    each row left-padded: row i's pad columns are masked from every query, and its new tokens
-    take RoPE positions from its own length (``offset``, ``starts``: what the runner reads)."""
+class _PaddedKV(BatchKVCache):
+    """One attention layer's keys and values of a batch of prompts, left-padded: mlx-lm's batch
+    cache (each row's pads masked from every query, rows dropped by ``filter``), plus ``starts``,
+    each row's length as ints, which the runner's RoPE table reads without a host sync."""
 
-    def __init__(self, keys: list[mx.array], values: list[mx.array], lengths: list[int], room: int):
-        width = max(lengths)
-        self.pads = np.array([width - n for n in lengths])
-        n, heads, dim = len(keys), keys[0].shape[1], keys[0].shape[3]
-        buffers = []
-        for rows in (keys, values):
-            buffer = mx.zeros((n, heads, width + room, dim), dtype=rows[0].dtype)
-            for i, (row, length) in enumerate(zip(rows, lengths)):
-                buffer[i : i + 1, :, width - length : width] = row[..., :length, :]
-            buffers.append(buffer)
-        self.keys, self.values = buffers
-        self.idx = width
-        self.starts = list(lengths)
-        self.offset = mx.array(self.starts, dtype=mx.int32)
-
-    def keep(self, rows: list[int]) -> None:
-        index = mx.array(rows)
-        self.keys, self.values, self.pads = self.keys[index], self.values[index], self.pads[rows]
-        self.starts = [self.starts[r] for r in rows]
-        self.offset = mx.array(self.starts, dtype=mx.int32)
-
-    def make_mask(self, rows: int, return_array: bool = False, window_size: Optional[int] = None) -> mx.array:
-        if window_size is not None:
-            raise ValueError("padded batches do not support sliding-window attention layers")
-        columns = np.arange(self.idx + rows)
-        seen = (columns[None, None] >= self.pads[:, None, None]) & (
-            columns[None, None] <= self.idx + np.arange(rows)[None, :, None]
-        )
-        return mx.array(seen[:, None])
+    @classmethod
+    def of_rows(cls, keys: list[mx.array], values: list[mx.array], lengths: list[int]) -> "_PaddedKV":
+        rows = []
+        for k, v, n in zip(keys, values, lengths):
+            row = KVCache()
+            row.keys, row.values, row.offset = k, v, n
+            rows.append(row)
+        cache = cls.merge(rows)
+        cache.starts = list(lengths)
+        return cache
 
     def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
-        n = keys.shape[2]
-        self.keys[..., self.idx : self.idx + n, :] = keys
-        self.values[..., self.idx : self.idx + n, :] = values
-        self.idx += n
-        self.starts = [s + n for s in self.starts]
-        self.offset = self.offset + n
-        return self.keys[..., : self.idx, :], self.values[..., : self.idx, :]
+        self.starts = [s + keys.shape[2] for s in self.starts]
+        return super().update_and_fetch(keys, values)
+
+    def filter(self, batch_indices: list[int]) -> None:
+        super().filter(mx.array(batch_indices))
+        self.starts = [self.starts[i] for i in batch_indices]
 
 
 class _PaddedCache:
@@ -200,7 +181,7 @@ def _answer_padded(runner, prompts, max_tokens: int, draws: _Draws, stops: set) 
             for layer in range(len(runner.kinds)):
                 keys[layer][row] = cache[layer].keys[j : j + 1, :, :length]
                 values[layer][row] = cache[layer].values[j : j + 1, :, :length]
-    batch = _PaddedCache([_PaddedKV(k, v, lengths, max_tokens) for k, v in zip(keys, values)])
+    batch = _PaddedCache([_PaddedKV.of_rows(k, v, lengths) for k, v in zip(keys, values)])
     active = list(range(len(prompts)))
     answers: list[list[int]] = [[] for _ in prompts]
     for step in range(max_tokens):
@@ -214,7 +195,7 @@ def _answer_padded(runner, prompts, max_tokens: int, draws: _Draws, stops: set) 
             break
         if len(going) < len(active):
             for layer in batch.layers:
-                layer.keep(going)
+                layer.filter(going)
             active, nxt = [active[j] for j in going], nxt[mx.array(going)]
         logits, _ = runner(nxt[:, None], batch)
         last = [logits[j, -1] for j in range(len(active))]
