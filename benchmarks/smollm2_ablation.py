@@ -54,9 +54,7 @@ def heldout_windows(build, path: Path):
     stops = sorted(tok.eos_token_ids)
     if path.exists():
         with np.load(path) as data:
-            sizes = np.asarray(data["prompt_tokens"])
-            prompts = np.split(np.asarray(data["prompts"], dtype=np.int32), np.cumsum(sizes)[:-1])
-            windows = Windows(data["sequences"], data["starts"], data["lengths"], prompts)
+            windows = Windows.from_arrays(data)
     else:
         prompts = [
             tok.encode(r["prompt"], add_special_tokens=False)
@@ -65,14 +63,7 @@ def heldout_windows(build, path: Path):
         answers = answer_prompts(build.target.runner, prompts, plan.continuation_len, stop_ids=stops)
         windows = make_windows(prompts, answers, plan.context_len, plan.continuation_len)
         path.parent.mkdir(parents=True, exist_ok=True)
-        np.savez(
-            path,
-            sequences=windows.sequences,
-            starts=windows.starts,
-            lengths=windows.lengths,
-            prompt_tokens=np.array([len(p) for p in prompts]),
-            prompts=np.concatenate([np.asarray(p, dtype=np.int32) for p in prompts]),
-        )
+        np.savez(path, **windows.arrays())
     # the end token's position where the answer wrote one, else one past its last token
     ends = np.array(
         [n - 1 if windows.sequences[i, n - 1] in stops else n for i, n in enumerate(windows.lengths.tolist())]

@@ -82,6 +82,27 @@ class Windows:
             [p for w in parts for p in w.prompts],
         )
 
+    def arrays(self) -> dict:
+        """The arrays a chunk file stores (``np.savez(file, **windows.arrays())``)."""
+        return {
+            "sequences": self.sequences,
+            "starts": self.starts,
+            "lengths": self.lengths,
+            "prompt_tokens": np.array([len(p) for p in self.prompts]),
+            "prompts": np.concatenate([np.asarray(p, dtype=np.int32) for p in self.prompts]),
+        }
+
+    @staticmethod
+    def from_arrays(data) -> "Windows":
+        """The windows of a file ``arrays`` wrote (an open ``np.load``)."""
+        sizes = np.asarray(data["prompt_tokens"])
+        return Windows(
+            np.asarray(data["sequences"], dtype=np.int32),
+            np.asarray(data["starts"], dtype=np.int64),
+            np.asarray(data["lengths"], dtype=np.int64),
+            np.split(np.asarray(data["prompts"], dtype=np.int32), np.cumsum(sizes)[:-1]),
+        )
+
     def answer(self, i: int) -> np.ndarray:
         return self.sequences[i, self.starts[i] : self.lengths[i]]
 
@@ -178,15 +199,7 @@ def generate_continuations(
         answers = answer_prompts(target.runner, batch, plan.continuation_len, sampling, seed=seed, stop_ids=stops)
         windows = make_windows(batch, answers, plan.context_len, plan.continuation_len)
         buffer = io.BytesIO()
-        np.savez(
-            buffer,
-            sequences=windows.sequences,
-            starts=windows.starts,
-            lengths=windows.lengths,
-            prompt_tokens=np.array([len(p) for p in batch]),
-            prompts=np.concatenate([np.asarray(p, dtype=np.int32) for p in batch]),
-            key=np.array(key),
-        )
+        np.savez(buffer, **windows.arrays(), key=np.array(key))
         atomic_write_bytes(path, buffer.getvalue())
         dt = time.perf_counter() - t0
         seconds += dt
@@ -218,17 +231,7 @@ def load_windows(out_dir: Path, chunks: int) -> Windows:
     parts = []
     for index in range(chunks):
         with np.load(Path(out_dir) / f"chunk_{index:05d}.npz") as data:
-            sizes = np.asarray(data["prompt_tokens"])
-            flat = np.asarray(data["prompts"], dtype=np.int32)
-            prompts = np.split(flat, np.cumsum(sizes)[:-1])
-            parts.append(
-                Windows(
-                    np.asarray(data["sequences"], dtype=np.int32),
-                    np.asarray(data["starts"], dtype=np.int64),
-                    np.asarray(data["lengths"], dtype=np.int64),
-                    prompts,
-                )
-            )
+            parts.append(Windows.from_arrays(data))
     return Windows.concatenate(parts)
 
 
