@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from types import SimpleNamespace
 from typing import Optional
 
 import typer
@@ -143,7 +142,7 @@ def bench_command(
     out = Console()
     out.print(_table(result, choice.label, max_tokens, temp, settings.block_size or "auto"))
     out.print(_position_bars(result.acceptance_by_position))
-    drafts = sources_line(SimpleNamespace(by_source=result.contract["mean"]["by_source"]))
+    drafts = sources_line(result.contract["mean"]["by_source"])
     if drafts:
         out.print(f"drafts: {drafts}", highlight=False)
     if profiled is not None:

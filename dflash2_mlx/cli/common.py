@@ -99,11 +99,12 @@ def controller_line(stats) -> str:
     return line + (f"; copies {copies}" if copies else "")
 
 
-def sources_line(stats) -> str:
-    """Drafted and accepted tokens by draft source, in one line (empty without cycles)."""
+def sources_line(by_source: Optional[dict]) -> str:
+    """Drafted and accepted tokens by draft source (``GenerationStats.by_source``), in one line
+    (empty without cycles)."""
     names = {"dflash": "DFlash 2", "copy": "copied from the context"}
     parts = []
-    for source, c in (getattr(stats, "by_source", None) or {}).items():
+    for source, c in (by_source or {}).items():
         if c["cycles"]:
             rate = c["accepted"] / c["drafted"] if c["drafted"] else 0.0
             parts.append(

@@ -114,7 +114,7 @@ def _summary(spec: Recording, ar: Recording, identical: Optional[bool]):
     if identical is not None:
         out.append(" · outputs identical: ")
         out.append("yes" if identical else "NO", style="green" if identical else "bold red")
-    drafts = sources_line(s)
+    drafts = sources_line(s.by_source)
     if drafts:
         out.append("\ndrafts: ", style="bold")
         out.append(drafts)

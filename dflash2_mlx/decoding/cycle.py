@@ -10,6 +10,7 @@ reads the verdict in one host sync, after launching the next cycle when its size
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Generator, NamedTuple, Optional, Sequence
 
 import mlx.core as mx
@@ -106,7 +107,7 @@ class SpeculativeRequest:
         allowed = self.grammar.allowed_prefix(match.continuation)
         if allowed == len(match.continuation):
             return match
-        return Match(match.continuation[:allowed], match.agreement, match.source) if allowed else None
+        return replace(match, continuation=match.continuation[:allowed]) if allowed else None
 
     def plan_copy(self, policy: BlockPolicy, match: Optional[Match], launched_ahead: bool) -> Optional[Match]:
         """The next cycle's copy: as many of ``match``'s tokens as the policy takes, unless the
@@ -116,7 +117,7 @@ class SpeculativeRequest:
         self.copying.likely = copies > 0
         if not copies or launched_ahead:
             return None
-        return Match(match.continuation[:copies], match.agreement, match.source)
+        return replace(match, continuation=match.continuation[:copies])
 
     def draft(self, anchor: mx.array, block_size: int) -> Draft:
         return self.drafting.propose(anchor, block_size)

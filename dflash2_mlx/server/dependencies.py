@@ -116,12 +116,9 @@ def authorize(request: Request, api_key: Optional[str], anthropic: bool = False,
     client) or from ``Authorization: Bearer``; no check when the server has no key."""
     if not api_key:
         return
-    given = None
-    auth = request.headers.get("authorization", "")
-    if anthropic or either:
-        given = request.headers.get("x-api-key")
-    if given is None and auth[:7].lower() == "bearer ":
-        given = auth[7:].strip()
+    given = request.headers.get("x-api-key") if anthropic or either else None
+    if given is None:
+        given = _bearer(request)
     if given is None or not hmac.compare_digest(given.encode(), api_key.encode()):
         where = (
             "the x-api-key header"
@@ -141,9 +138,14 @@ def client_key(request: Request) -> str:
     """Who is asking, for what must stay theirs (the copy drafts' index of earlier answers): a
     digest of the key the request presents (``x-api-key`` or a Bearer token, checked or not),
     "" for none. Clients of a keyless server that send different tokens stay apart too."""
-    auth = request.headers.get("authorization", "")
-    given = request.headers.get("x-api-key") or (auth[7:].strip() if auth[:7].lower() == "bearer " else "")
+    given = request.headers.get("x-api-key") or _bearer(request)
     return hashlib.sha256(given.encode()).hexdigest() if given else ""
+
+
+def _bearer(request: Request) -> Optional[str]:
+    """The token of an ``Authorization: Bearer`` header, or None."""
+    auth = request.headers.get("authorization", "")
+    return auth[7:].strip() if auth[:7].lower() == "bearer " else None
 
 
 # The route dependencies are async: FastAPI would run a plain `def` one on its thread pool.
