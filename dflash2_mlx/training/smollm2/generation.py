@@ -1,16 +1,16 @@
 """The target's own answers to chat prompts of different lengths, each as the engine writes it alone.
 
 A batch of prompts is answered in one target pass per step, but no prompt ever sees another's
-tokens or any padding: the prompts of one length are prefilled together (no padding needed),
-then every prompt decodes in one batch whose keys and values are left-padded into one buffer per
-layer, with an attention mask that hides each row's pad columns from its queries and RoPE at each
-row's own position (``_PaddedKV``: mlx-lm's ``BatchKVCache`` with the per-row lengths the
-``TargetRunner`` reads, as for the engine's batched verify). So each answer equals the prompt answered alone within float rounding
-(``tests/test_smollm2_build.py`` pins it token for token against the engine's plain decoding,
-and the features of prompt + answer). An answer stops at its first end token (kept, as the
-engine emits it) or after ``max_tokens``; a stopped row leaves the batch. (Until issue 40 the
-prompts were left-padded with ``<|endoftext|>`` and decoded with no mask: the pads changed what
-SmolLM2 wrote, 32 answers of 32.)
+tokens or any padding: the prompts of one length are prefilled together (no padding needed), then
+every prompt decodes in one batch whose keys and values are left-padded into one buffer per layer,
+with an attention mask that hides each row's pad columns from its queries and RoPE at each row's
+own position (``_PaddedKV``: mlx-lm's ``BatchKVCache`` with the per-row lengths the
+``TargetRunner`` reads, as for the engine's batched verify). So each answer equals the prompt
+answered alone within float rounding (``tests/test_smollm2_build.py`` pins it token for token
+against the engine's plain decoding, and the features of prompt + answer). An answer stops at its
+first end token (kept, as the engine emits it) or after ``max_tokens``; a stopped row leaves the
+batch. (Until issue 40 the prompts were left-padded with ``<|endoftext|>`` and decoded with no
+mask: the pads changed what SmolLM2 wrote, 32 answers of 32.)
 
 Sampled answers draw every token with a key of its own prompt (``prompt_seed``: the stage's seed
 and the prompt's tokens) and step, so a prompt's answer does not depend on which batch it is in.
