@@ -1,6 +1,6 @@
 """The prompt set of the SmolLM2 drafter build (stage "prompts"): made offline, deduplicated, split.
 
-Four kinds of user requests, each made from material every Python install has:
+Five kinds of user requests, made from material every Python install has and fixed templates:
 
 - ``code``: coding requests from the standard library's functions (``corpus.function_examples``:
   plain-English requests made from docstrings, and "complete this function" with a signature);
@@ -8,7 +8,10 @@ Four kinds of user requests, each made from material every Python install has:
   (``pydoc_data/topics.py``) and the standard library's module names;
 - ``short``: short-answer questions from fixed templates (arithmetic, units, capitals, words,
   built-in functions);
-- ``self``: questions the target writes itself ("Write a question about X", greedy, chat template).
+- ``self``: questions the target writes itself ("Write a question about X", greedy, chat template);
+- ``task``: everyday chat requests from templates (write an email, give advice, make a list, plan
+  a trip, explain an idea simply, write a short poem or note): what people ask a chat model that
+  is not about Python (issue 40).
 
 Requests are deduplicated (case and whitespace folded). Each kind is ordered by the sha256 of its
 text; the first ``heldout_per_kind`` are held out for evaluation and the next ``train_per_kind``
@@ -33,10 +36,11 @@ from dflash2_mlx.training.smollm2.plan import SmolPlan, atomic_write_text
 
 __all__ = ["KINDS", "build_prompt_set", "read_prompt_set", "request_candidates", "self_written_questions"]
 
-KINDS = ("code", "explain", "short", "self")
+KINDS = ("code", "explain", "short", "self", "task")
 # Part of the stage's key: raise it when the recipe changes what the same inputs produce (3: the
-# target's questions written for each request alone, no longer in left-padded batches)
-RECIPE_VERSION = 3
+# target's questions written for each request alone, no longer in left-padded batches; 4: the
+# ``task`` kind)
+RECIPE_VERSION = 4
 
 CAPITALS = (
     "France",
@@ -166,6 +170,87 @@ QUESTION_TOPICS = (
     "recycling",
     "maps",
 )
+EMAIL_RECIPIENTS = ("my manager", "a colleague", "my landlord", "my child's teacher", "an old friend", "a customer")
+EMAIL_PURPOSES = (
+    "asking for a day off next Friday",
+    "moving our meeting to Thursday afternoon",
+    "about the heating in my flat not working",
+    "thanking them for their help last week",
+    "saying that I will be ten minutes late",
+    "asking for feedback on a report I sent",
+    "inviting them to a small birthday dinner",
+    "apologising for missing their call",
+)
+ADVICE_TOPICS = (
+    "starting to run",
+    "saving money each month",
+    "learning a new language",
+    "preparing for a job interview",
+    "sleeping better",
+    "studying for exams",
+    "moving to a new city",
+    "speaking in public",
+    "keeping houseplants alive",
+    "working from home",
+    "making friends as an adult",
+    "cooking on a budget",
+)
+ADVICE_STYLES = ("Give me some advice on {}.", "What are your best tips for {}?")
+LIST_SUBJECTS = (
+    "ten things to pack for a beach holiday",
+    "healthy breakfast ideas",
+    "books a teenager might enjoy",
+    "indoor activities for a rainy day",
+    "questions to ask at the end of a job interview",
+    "ways to use less plastic at home",
+    "easy dinners that take under 30 minutes",
+    "things to check before buying a used car",
+    "gift ideas for someone who loves gardening",
+    "ways to stay focused while studying",
+    "good habits to start the morning",
+    "board games for a family evening",
+)
+TRIP_PLACES = (
+    "Paris",
+    "Tokyo",
+    "Rome",
+    "New York",
+    "Lisbon",
+    "Kyoto",
+    "Barcelona",
+    "Iceland",
+    "the Scottish Highlands",
+    "Vienna",
+    "Istanbul",
+    "Mexico City",
+)
+TRIP_DAYS = (2, 3, 5)
+IDEAS = (
+    "inflation",
+    "compound interest",
+    "how vaccines work",
+    "why the sky is blue",
+    "the greenhouse effect",
+    "supply and demand",
+    "how a car engine works",
+    "what a mortgage is",
+    "how plants grow",
+    "what a credit score is",
+    "how airplanes fly",
+    "why we have seasons",
+    "what the immune system does",
+    "how the internet reaches my home",
+)
+IDEA_AUDIENCES = ("a ten-year-old", "a complete beginner", "someone in a hurry")
+POEM_SUBJECTS = ("autumn leaves", "a cup of tea", "the sea at night", "a lost umbrella", "Monday mornings", "my cat")
+NOTES = (
+    "Write a short thank-you note to a neighbour who watered my plants.",
+    "Write a birthday message for my sister.",
+    "Write a polite message declining a party invitation.",
+    "Write a short toast for a friend's wedding.",
+    "Write a two-sentence product description for a reusable water bottle.",
+    "Write a short note to leave for a house sitter.",
+)
 QUESTION_STYLES = (
     "Write a question about {}.",
     "Write a short question a student might ask about {}.",
@@ -237,7 +322,18 @@ def request_candidates(plan: SmolPlan) -> dict[str, list[str]]:
     ]
     for a, b in rng.integers(2, 99, size=(60, 2)):
         short.append(f"What is {a} + {b}?" if (a + b) % 2 else f"What is {a} times {b}?")
-    return {"code": _unique(code), "explain": _unique(explain), "short": _unique(short)}
+    return {"code": _unique(code), "explain": _unique(explain), "short": _unique(short), "task": task_requests()}
+
+
+def task_requests() -> list[str]:
+    """The ``task`` kind: everyday chat requests from templates, deduplicated, in sha256 order."""
+    task = [f"Write a short email to {who} {why}." for who in EMAIL_RECIPIENTS for why in EMAIL_PURPOSES]
+    task += [style.format(t) for style in ADVICE_STYLES for t in ADVICE_TOPICS]
+    task += [f"Make a list of {s}." for s in LIST_SUBJECTS]
+    task += [f"Plan a {days}-day trip to {place} for me." for place in TRIP_PLACES for days in TRIP_DAYS]
+    task += [f"Explain {idea} to me as if I were {who}." for idea in IDEAS for who in IDEA_AUDIENCES]
+    task += [f"Write a short poem about {s}." for s in POEM_SUBJECTS]
+    return _unique(task + list(NOTES))
 
 
 def _unique(requests: list[str]) -> list[str]:

@@ -148,12 +148,25 @@ def _chunk_done(path: Path, key: str) -> bool:
         return str(old["key"]) == key and "lengths" in old.files
 
 
+# Kinds batch in these groups, one after the other. A kind added to the prompt set later gets a
+# group of its own, so the earlier kinds' batches, whose chunks are committed and keyed by their
+# tokens, stay exactly as they were.
+BATCH_GROUPS = (("code", "explain", "short", "self"), ("task",))
+
+
 def continuation_batches(plan: SmolPlan, tokenizer, prompts: list[dict]) -> list[list[list[int]]]:
-    """The training prompts' token ids, sorted by length (ties in file order) and cut into batches."""
+    """The training prompts' token ids cut into batches: by group of kinds (``BATCH_GROUPS``), each
+    sorted by length (ties in file order)."""
+    unknown = {p["kind"] for p in prompts} - {kind for group in BATCH_GROUPS for kind in group}
+    if unknown:
+        raise ValueError(f"prompt kinds {sorted(unknown)} are in no batch group: add them to BATCH_GROUPS")
     ids = [tokenizer.encode(p["prompt"], add_special_tokens=False) for p in prompts]
-    order = sorted(range(len(ids)), key=lambda i: (len(ids[i]), i))
-    ordered = [ids[i] for i in order]
-    return [ordered[i : i + plan.batch_size] for i in range(0, len(ordered), plan.batch_size)]
+    batches = []
+    for group in BATCH_GROUPS:
+        members = [i for i, p in enumerate(prompts) if p["kind"] in group]
+        ordered = [ids[i] for i in sorted(members, key=lambda i: (len(ids[i]), i))]
+        batches += [ordered[i : i + plan.batch_size] for i in range(0, len(ordered), plan.batch_size)]
+    return batches
 
 
 def generate_continuations(
