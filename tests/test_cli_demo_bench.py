@@ -140,6 +140,8 @@ def test_bench_json_contract(tiny_checkpoints, tmp_path):
     out = json.loads(r.stdout)  # exactly one JSON object on stdout
     profile = out.pop("profile")  # --profile adds where a cycle's time goes
     assert sum(profile["shares"].values()) == pytest.approx(1.0) and profile["cycles"] > 0 and profile["ar_step_ms"] > 0
+    by_position = out.pop("acceptance_by_position")  # one share per draft position of the block (4: 3 positions)
+    assert len(by_position) == 3 and all(0.0 <= share <= 1.0 for share in by_position)
     assert set(out) == {"mean", "prompts"}
     mean, per = out["mean"], out["prompts"]
     assert set(mean) == {"acceptance_length", "spec_decode_tps", "ar_decode_tps", "speedup", "by_source", "controller"}

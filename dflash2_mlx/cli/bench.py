@@ -135,7 +135,8 @@ def bench_command(
         ar_tps = result.contract["mean"]["ar_decode_tps"]
         profiled["ar_step_ms"] = 1000 / ar_tps if ar_tps else None
     if as_json:
-        print(json.dumps({**result.contract, **({"profile": profiled} if profiled else {})}))
+        extra = {"acceptance_by_position": result.acceptance_by_position}
+        print(json.dumps({**result.contract, **extra, **({"profile": profiled} if profiled else {})}))
         if plot is not None:
             err.print(f"plot saved to {plot}", highlight=False)
         return

@@ -5,7 +5,8 @@ from __future__ import annotations
 __all__ = ["model_card", "timing_table"]
 
 STAGE_WORK = {
-    "prompts": "prompt set: coding, explanations, short answers, the target's own questions; held-out split",
+    "prompts": "prompt set: coding, explanations, short answers, the target's own questions, everyday "
+    "requests; held-out split",
     "greedy": "the target's greedy answers to the training prompts (batched)",
     "sampled": "the target's sampled answers (t=0.7, top-p 0.9)",
     "features": "the target's tapped features of every training window, kept on disk",
@@ -71,10 +72,22 @@ The drafter was trained on the target's own answers and is released with this pr
 ## Training data
 
 The target's greedy and sampled (t={plan.get("sample_temperature")}, top-p {plan.get("sample_top_p")})
-answers of {plan.get("continuation_len")} tokens to a prompt set made offline from the Python
-standard library (coding requests, the language reference's topics), short-answer templates and
-questions the target wrote itself. Prompt counts: {prompts}. Training: {plan.get("drafter_steps")}
-steps over {windows} training windows, blocks anchored {where}.
+answers, each up to {plan.get("continuation_len")} tokens or its end token, to a prompt set made
+offline from the Python standard library (coding requests, the language reference's topics),
+short-answer templates, questions the target wrote itself and everyday requests (emails, advice,
+lists, trip plans, ideas explained simply). Every answer is what the engine writes for that prompt
+answered alone, and its features come from the whole prompt and answer, with no padding. Prompt
+counts: {prompts}. Training: {plan.get("drafter_steps")} steps over {windows} training windows,
+blocks anchored {where}, no token after an answer's end trained.
+
+## What changed (issue 40)
+
+The drafter shipped before this one was trained on answers generated in left-padded batches with
+no padding mask: the pads changed what SmolLM2 wrote (answered alone, 0 of 32 training prompts
+reproduced their padded answer; 31% of the padded answers looped), so it learnt text the engine
+never writes. This build generates each answer as the engine would answer the prompt alone,
+stops it at its end token, and adds the everyday-request kind. docs/smollm2.md compares the two
+drafters on the same held-out prompts.
 
 ## Evaluation (held-out prompts, {ev.get("prompts", "n/a")} of mixed kinds)
 
